@@ -1,0 +1,1 @@
+"""Spec cases shipped with pytest-kvconform (TOML data, read with importlib.resources)."""

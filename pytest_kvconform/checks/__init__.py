@@ -1,0 +1,13 @@
+"""Clause checks: one function per contract clause, no pytest inside.
+
+A check returns None when its clause holds and raises :class:`ClauseFailure`
+when it does not, or :class:`ClauseSkip` when it cannot run here (a missing
+package, device or importable backend).  The pytest front-end
+(``pytest_kvconform.suite``) and the plain runner share these functions.
+"""
+
+from __future__ import annotations
+
+from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind
+
+__all__ = ["ClauseFailure", "ClauseSkip", "SkipKind"]

@@ -1,0 +1,69 @@
+"""Helpers every clause check uses: the backend's class and its declared need."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind
+from pytest_kvconform.model import BackendUnderTest
+
+
+def backend_class(clause: str, backend: BackendUnderTest) -> Any:
+    """The backend's class, or the skip that reports why it cannot be imported."""
+    if backend.cls is None:
+        raise ClauseSkip(clause, f"backend {backend.name} is not importable: {backend.error} "
+                         f"(from {backend.source} {backend.path})", SkipKind.BACKEND)
+    return backend.cls
+
+
+def declared_need(clause: str, backend: BackendUnderTest) -> bool:
+    """``indexes_kv_by_block_stride()`` as a bool; a non-bool answer fails the clause.
+
+    Clauses other than KV-L1 need the answer to know what to expect; they
+    refuse to guess from a truthy non-bool, which KV-L1 reports on its own.
+    """
+    cls = backend_class(clause, backend)
+    method = getattr(cls, "indexes_kv_by_block_stride", None)
+    if method is None or not callable(method):
+        raise ClauseFailure(clause, "backend declares no callable indexes_kv_by_block_stride(); "
+                            "its layout need is unknown (see KV-L1)", backend=backend.name)
+    try:
+        value = method()
+    except Exception as exc:
+        raise ClauseFailure(clause, f"indexes_kv_by_block_stride() raised {exc!r} (see KV-L1)",
+                            backend=backend.name) from exc
+    if type(value) is not bool:
+        raise ClauseFailure(clause, f"indexes_kv_by_block_stride() returned {value!r} of type "
+                            f"{type(value).__name__}, not bool (see KV-L1)", backend=backend.name)
+    return value
+
+
+@contextlib.contextmanager
+def cuda_init_recorder() -> Iterator[list[str]]:
+    """Record attempts to initialise a CUDA context while the block runs.
+
+    Patches ``torch.cuda._lazy_init`` (every CUDA context starts there) so the
+    check works on a CPU-only build too, where nothing would be initialised.
+    """
+    calls: list[str] = []
+    try:
+        import torch.cuda
+    except ImportError:  # no torch: nothing can initialise CUDA
+        yield calls
+        return
+    original = torch.cuda._lazy_init
+    was_initialized = torch.cuda.is_initialized()
+
+    def recorder() -> None:
+        calls.append("torch.cuda._lazy_init")
+        original()
+
+    torch.cuda._lazy_init = recorder
+    try:
+        yield calls
+    finally:
+        torch.cuda._lazy_init = original
+        if not was_initialized and torch.cuda.is_initialized():
+            calls.append("torch.cuda.is_initialized() became True")

@@ -1,0 +1,130 @@
+"""``kvconform``: show, validate and merge qualification reports (stdlib only).
+
+Exit codes: 0 success, 2 a bad file, an unmergeable set of reports, a usage
+error, or a subcommand that is not available.  Every error is one line on
+stderr naming the file it is about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pytest_kvconform.report import (
+    SCHEMA,
+    ReportError,
+    check_mergeable,
+    load_report,
+    render_markdown,
+    render_merged_markdown,
+    validate_report,
+)
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+
+
+def _error(message: str) -> int:
+    print(f"kvconform: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _load_valid(path: str) -> dict[str, Any]:
+    """Load and validate one report; errors name the file (via :class:`ReportError`)."""
+    report = load_report(path)
+    if report.get("schema") != SCHEMA:
+        raise ReportError(
+            "$.schema", f"{path}: unsupported schema {report.get('schema')!r} (expected {SCHEMA!r})"
+        )
+    try:
+        validate_report(report)
+    except ReportError as exc:
+        raise ReportError(exc.path, f"{path}: {exc.path}: {exc.message}") from exc
+    return report
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    try:
+        report = _load_valid(args.report)
+    except ReportError as exc:
+        return _error(exc.message)
+    sys.stdout.write(render_markdown(report))
+    return EXIT_OK
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    for path in args.reports:
+        try:
+            _load_valid(path)
+        except ReportError as exc:
+            return _error(exc.message)
+        print(f"{path}: valid ({SCHEMA})")
+    return EXIT_OK
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    try:
+        named = [(path, load_report(path)) for path in args.reports]
+        check_mergeable(named)  # before validation: a foreign schema gets the clearer message
+        named = [(path, _load_valid(path)) for path in args.reports]
+        text = render_merged_markdown(named)
+    except ReportError as exc:
+        return _error(exc.message)
+    if args.output is None:
+        sys.stdout.write(text)
+        return EXIT_OK
+    try:
+        Path(args.output).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        return _error(f"{args.output}: cannot write: {exc.strerror or exc}")
+    print(f"kvconform: merged {len(named)} reports into {args.output}")
+    return EXIT_OK
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    """Slot for the plain (pytest-free) runner; not wired yet."""
+    return _error("'kvconform run' is not available yet; use 'pytest --kv-conformance'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvconform", description="pytest-kvconform qualification reports"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    show = sub.add_parser("show", help="print a JSON report as Markdown")
+    show.add_argument("report")
+    show.set_defaults(func=_cmd_show)
+
+    validate = sub.add_parser("validate", help="check reports against the schema")
+    validate.add_argument("reports", nargs="+", metavar="REPORT")
+    validate.set_defaults(func=_cmd_validate)
+
+    merge = sub.add_parser("merge", help="merge reports from several hosts into one matrix")
+    merge.add_argument("reports", nargs="+", metavar="REPORT")
+    merge.add_argument("-o", "--output", help="Markdown file to write (default: stdout)")
+    merge.set_defaults(func=_cmd_merge)
+
+    run = sub.add_parser("run", help="run the conformance checks without pytest (not available)")
+    run.set_defaults(func=_cmd_run)  # takes any arguments: see main()
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point; returns the exit code instead of raising SystemExit."""
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command != "run":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help or a usage error, already printed by argparse
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    args.extra = extra
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

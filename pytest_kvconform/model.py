@@ -1,0 +1,67 @@
+"""Plain records shared by discovery, checks, the pytest front-end and the report.
+
+Stdlib only: every other module may import this one, and it imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+CLAUSE_RE = re.compile(r"^KV-[LSNA][0-9]+$")
+
+
+def clause_from_test_name(name: str) -> str | None:
+    """``test_kv_l2`` / ``test_kv_l2[FLASH_ATTN]`` -> ``KV-L2``; None for other tests."""
+    m = re.match(r"^test_kv_([lsna])([0-9]+)(?:_\w+)?(?:\[|$)", name)
+    if m is None:
+        return None
+    return f"KV-{m.group(1).upper()}{m.group(2)}"
+
+
+@dataclass(frozen=True)
+class BackendUnderTest:
+    """One diffusion attention backend as discovered, importable or not.
+
+    ``cls`` is None when the backend failed to import; ``error`` then says why,
+    and every test of the backend reports it instead of silently vanishing.
+    """
+
+    name: str
+    path: str
+    source: str  # "registry", "platform", "hook", "entry-point"
+    overridden: bool = False
+    cls: Any = field(default=None, compare=False, repr=False)
+    error: str | None = None
+
+    @property
+    def importable(self) -> bool:
+        return self.cls is not None
+
+
+@dataclass(frozen=True)
+class Case:
+    """One spec case from ``conformance_cases/*.toml`` (validated by ``cases.py``)."""
+
+    id: str
+    file: str
+    block_size: int = 16
+    num_kv_heads: int = 2
+    head_size: int = 64
+    dtype: str = "bfloat16"
+    num_layers: int = 2
+    num_pages: int = 16
+    kernel_block_size: int | None = None
+    page_size_padded: int | None = None
+    world_size: int = 1
+    num_groups: int = 1
+    expected_usable_blocks: int | None = None
+    description: str = ""
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks a scheduler may hand out: the null block is held back."""
+        if self.expected_usable_blocks is not None:
+            return self.expected_usable_blocks
+        return self.num_pages - 1

@@ -1,0 +1,74 @@
+"""pytest hooks only: options, collection glue, results, summary.
+
+Off means free: without ``--kv-conformance`` this module registers its options
+and hookspecs and nothing else; torch, vllm and vllm_omni stay unimported and
+no test is added.  Everything heavy is imported lazily by :class:`KvSession`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from pytest_kvconform import hookspecs
+from pytest_kvconform.options import Options, add_options
+
+if TYPE_CHECKING:
+    from pytest_kvconform.session import KvSession
+
+SUITE_DIR = Path(__file__).parent / "suite"
+SESSION_PLUGIN = "kvconform-session"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_options(parser)
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """xdist sizes ``-n auto`` before pytest_configure; its hooks must be in by then."""
+    from pytest_kvconform.xdist_hooks import register_xdist_hooks
+
+    register_xdist_hooks(early_config)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    options = Options.from_config(config)
+    if not options.enabled:
+        return
+    config.addinivalue_line("markers", "kv_clause(id): the contract clause a test checks")
+    _add_suite(config)
+    from pytest_kvconform.session import KvSession
+
+    config.pluginmanager.register(KvSession(config, options), SESSION_PLUGIN)
+
+
+def _add_suite(config: pytest.Config) -> None:
+    """Collect the suite: alone when no paths were given, else beside them."""
+    suite = str(SUITE_DIR)
+    if config.args_source != pytest.Config.ArgsSource.ARGS:
+        config.args[:] = [suite]
+    elif not any(Path(a.split("::")[0]).resolve() == SUITE_DIR or
+                 SUITE_DIR in Path(a.split("::")[0]).resolve().parents for a in config.args):
+        config.args.append(suite)
+
+
+def kv_session(config: pytest.Config) -> KvSession:
+    plugin = config.pluginmanager.get_plugin(SESSION_PLUGIN)
+    if plugin is None:
+        raise pytest.UsageError("the kvconform fixtures need --kv-conformance")
+    return plugin  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
+def kv_device(request: pytest.FixtureRequest) -> str:
+    """The torch device this process (or xdist worker) allocates on: "cpu" or "cuda:0"."""
+    return kv_session(request.config).device
+
+

@@ -1,0 +1,762 @@
+"""The qualification report: build, verdict, schema check, JSON/Markdown/terminal output, merge.
+
+Stdlib only (nothing here imports pytest, torch or vllm), so ``kvconform show`` and
+``kvconform merge`` run on a machine without the serving stack.
+
+A result is a dict with keys ``nodeid, backend, clause, case, layout, device,
+status, reason, duration_s`` plus optional ``skip_kind`` (a
+:class:`~pytest_kvconform.checks.errors.SkipKind` value) and ``xfail`` (the
+``describe()`` id of the xfail entry applied).  ``backend`` is None for
+upstream (per layout/case) tests; the matrices show those in a ``(upstream)`` row.
+
+Verdict rule (:func:`compute_verdict`):
+
+* non-strict: qualified iff at least one result ran and none failed or errored
+  (an xpass or a skip does not disqualify);
+* strict (``--kv-strict``): additionally every xpass and every skip whose kind
+  is not ``hardware`` disqualifies.
+
+Clauses with a hardware skip are listed as ``uncovered`` in both modes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from enum import Enum
+from importlib import metadata
+from pathlib import Path, PurePath
+from typing import Any
+
+from pytest_kvconform import CONTRACT_VERSION
+from pytest_kvconform.model import CLAUSE_RE
+
+SCHEMA = "pytest-kvconform/report/1"
+STATUSES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
+SKIP_KINDS = ("hardware", "environment", "backend", "not-applicable")
+VERDICTS = ("qualified", "not qualified")
+UPSTREAM_ROW = "(upstream)"
+
+# Worst first: the status a matrix cell shows when it aggregates several tests.
+_SEVERITY = ("failed", "error", "xpassed", "skipped", "xfailed", "passed")
+_CELL_WORD = {
+    "passed": "pass",
+    "failed": "fail",
+    "skipped": "skip",
+    "xfailed": "xfail",
+    "xpassed": "xpass",
+    "error": "error",
+}
+_CELL_CHAR = {
+    "passed": ".",
+    "failed": "F",
+    "skipped": "s",
+    "xfailed": "x",
+    "xpassed": "X",
+    "error": "E",
+}
+_CLAUSE_FAMILY_ORDER = "LSNA"  # the contract's section order
+_NVIDIA_SMI_TIMEOUT_S = 5.0
+
+_TOP_KEYS = (
+    "schema", "contract", "environment", "backends", "results", "summary", "verdict", "uncovered",
+)
+_ENV_KEYS = (
+    "python", "torch", "vllm", "vllm_omni", "platform", "devices", "host", "options", "seed",
+)
+_DEVICE_KEYS = ("name", "memory_bytes", "driver", "cuda")
+_BACKEND_KEYS = ("name", "path", "source", "overridden", "importable", "reason")
+_RESULT_KEYS = (
+    "nodeid", "backend", "clause", "case", "layout", "device", "status", "reason", "duration_s",
+)
+_RESULT_OPTIONAL_KEYS = ("skip_kind", "xfail")
+_SUMMARY_KEYS = ("strict", "total", "by_status", "by_clause", "blocking")
+
+
+class ReportError(ValueError):
+    """A report that does not follow the schema; ``path`` is a JSON path like ``$.results[3]``."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        self.message = message
+        super().__init__(f"{path}: {message}")
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def environment_info(options: Mapping[str, Any], seed: int | None) -> dict[str, Any]:
+    """Versions, host and devices of this machine, probed without importing torch or vllm.
+
+    Importing the serving stack takes tens of seconds and may initialise CUDA;
+    the report only needs distribution metadata and ``nvidia-smi``.
+    """
+    return {
+        "python": platform.python_version(),
+        "torch": _dist_version("torch"),
+        "vllm": _dist_version("vllm"),
+        "vllm_omni": _dist_version("vllm-omni"),
+        "platform": platform.platform(),
+        "devices": _probe_devices(),
+        "host": socket.gethostname(),
+        "options": _jsonable(dict(sorted(options.items()))),
+        "seed": seed,
+    }
+
+
+def _dist_version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _probe_devices() -> list[dict[str, Any]]:
+    gpus = _nvidia_gpus()
+    if gpus:
+        return gpus
+    return [{"name": "cpu", "memory_bytes": _host_memory_bytes(), "driver": None, "cuda": None}]
+
+
+def _nvidia_gpus() -> list[dict[str, Any]]:
+    """GPUs as ``nvidia-smi`` lists them; empty when it is absent, fails or hangs."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    query = [exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"]
+    listing = _run_quiet(query)
+    if listing is None:
+        return []
+    header = _run_quiet([exe]) or ""
+    m = re.search(r"CUDA Version:\s*([0-9.]+)", header)
+    cuda = m.group(1) if m else None
+    gpus = []
+    for line in listing.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 3 or not fields[0]:
+            continue
+        name, mib, driver = fields
+        try:
+            memory: int | None = int(float(mib)) * 1024 * 1024
+        except ValueError:
+            memory = None
+        gpus.append({"name": name, "memory_bytes": memory, "driver": driver or None, "cuda": cuda})
+    return gpus
+
+
+def _run_quiet(argv: list[str]) -> str | None:
+    try:
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, timeout=_NVIDIA_SMI_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _host_memory_bytes() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+# --------------------------------------------------------------------------- build + verdict
+
+
+def clause_sort_key(clause: str) -> tuple[int, int, str]:
+    """Contract order: L, S, N, A families, then by number (KV-L2 before KV-L10)."""
+    m = re.match(r"^KV-([A-Z])([0-9]+)$", clause)
+    if m is None:
+        return (len(_CLAUSE_FAMILY_ORDER) + 1, 0, clause)
+    family = _CLAUSE_FAMILY_ORDER.find(m.group(1))
+    return (family if family >= 0 else len(_CLAUSE_FAMILY_ORDER), int(m.group(2)), clause)
+
+
+def _result_sort_key(result: Mapping[str, Any]) -> tuple[str, ...]:
+    keys = ("nodeid", "backend", "clause", "case", "layout")
+    return tuple(str(result.get(k) or "") for k in keys)
+
+
+def _blocks(result: Mapping[str, Any], strict: bool) -> bool:
+    status = result.get("status")
+    if status in ("failed", "error"):
+        return True
+    if not strict:
+        return False
+    if status == "xpassed":
+        return True
+    return status == "skipped" and result.get("skip_kind") != "hardware"
+
+
+def compute_verdict(
+    results: Iterable[Mapping[str, Any]], strict: bool
+) -> tuple[str, list[str]]:
+    """``("qualified" | "not qualified", uncovered clauses)``; see the module docstring.
+
+    An empty run is never qualified: nothing was checked.
+    """
+    results = list(results)
+    qualified = bool(results) and not any(_blocks(r, strict) for r in results)
+    uncovered = {
+        r["clause"]
+        for r in results
+        if r.get("status") == "skipped" and r.get("skip_kind") == "hardware"
+    }
+    return ("qualified" if qualified else "not qualified"), sorted(uncovered, key=clause_sort_key)
+
+
+def summarize(results: Sequence[Mapping[str, Any]], strict: bool) -> dict[str, Any]:
+    """Counts per status and per clause, plus the nodeids that block qualification."""
+    by_status = dict.fromkeys(STATUSES, 0)
+    by_clause: dict[str, dict[str, int]] = {}
+    for r in results:
+        by_status[r["status"]] += 1
+        by_clause.setdefault(r["clause"], dict.fromkeys(STATUSES, 0))[r["status"]] += 1
+    return {
+        "strict": strict,
+        "total": len(results),
+        "by_status": by_status,
+        "by_clause": {c: by_clause[c] for c in sorted(by_clause, key=clause_sort_key)},
+        "blocking": [r["nodeid"] for r in results if _blocks(r, strict)],
+    }
+
+
+def build_report(
+    *,
+    environment: Mapping[str, Any],
+    backends: Iterable[Any],
+    results: Iterable[Mapping[str, Any]],
+    options: Mapping[str, Any],
+    strict: bool,
+) -> dict[str, Any]:
+    """A validated report; results sorted by nodeid so ``-n 2`` and ``-n 0`` agree.
+
+    ``backends`` are :class:`~pytest_kvconform.model.BackendUnderTest` records or
+    dicts with the schema's keys.  ``options`` replaces ``environment["options"]``
+    (the plugin knows its final options only after configuration).
+    """
+    env = _jsonable(dict(environment))
+    env["options"] = _jsonable(dict(sorted(options.items())))
+    rows = sorted((_normalise_result(r) for r in results), key=_result_sort_key)
+    verdict, uncovered = compute_verdict(rows, strict)
+    report = {
+        "schema": SCHEMA,
+        "contract": CONTRACT_VERSION,
+        "environment": env,
+        "backends": [_backend_record(b) for b in backends],
+        "results": rows,
+        "summary": summarize(rows, strict),
+        "verdict": verdict,
+        "uncovered": uncovered,
+    }
+    validate_report(report)
+    return report
+
+
+def _normalise_result(result: Mapping[str, Any]) -> dict[str, Any]:
+    row = {k: _jsonable(result.get(k)) for k in _RESULT_KEYS + _RESULT_OPTIONAL_KEYS}
+    if row["duration_s"] is None:
+        row["duration_s"] = 0.0
+    extra = sorted(set(result) - set(row))
+    if extra:  # kept so that validation names the stray key instead of dropping it
+        row.update({k: _jsonable(result[k]) for k in extra})
+    return row
+
+
+def _backend_record(backend: Any) -> dict[str, Any]:
+    if isinstance(backend, Mapping):
+        return _jsonable(dict(backend))
+    return {
+        "name": backend.name,
+        "path": backend.path,
+        "source": backend.source,
+        "overridden": bool(backend.overridden),
+        "importable": bool(backend.importable),
+        "reason": backend.error,
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON values: paths and enums as strings, tuples as lists, str keys."""
+    if isinstance(value, Enum):
+        return _jsonable(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_jsonable(v) for v in value]
+        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
+    return str(value)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_report(obj: Any) -> None:
+    """Raise :class:`ReportError` naming the JSON path of the first schema problem.
+
+    Besides shapes and types, the summary, verdict and uncovered list must
+    agree with the results: a hand-edited verdict is caught here.
+    """
+    _expect_keys(obj, "$", _TOP_KEYS)
+    if obj["schema"] != SCHEMA:
+        raise ReportError("$.schema", f"expected {SCHEMA!r}, got {obj['schema']!r}")
+    _expect_type(obj["contract"], "$.contract", str)
+    _validate_environment(obj["environment"])
+    _expect_type(obj["backends"], "$.backends", list)
+    for i, backend in enumerate(obj["backends"]):
+        where = f"$.backends[{i}]"
+        _expect_keys(backend, where, _BACKEND_KEYS)
+        for key in ("name", "path", "source"):
+            _expect_type(backend[key], f"{where}.{key}", str)
+        for key in ("overridden", "importable"):
+            _expect_type(backend[key], f"{where}.{key}", bool)
+        _expect_type(backend["reason"], f"{where}.reason", str, none=True)
+    _expect_type(obj["results"], "$.results", list)
+    previous: tuple[str, ...] | None = None
+    for i, result in enumerate(obj["results"]):
+        _validate_result(result, f"$.results[{i}]")
+        key = _result_sort_key(result)
+        if previous is not None and key < previous:
+            raise ReportError(f"$.results[{i}]", "results are not sorted by nodeid")
+        previous = key
+    _validate_summary(obj["summary"])
+    strict = obj["summary"]["strict"]
+    if obj["summary"] != summarize(obj["results"], strict):
+        raise ReportError("$.summary", "does not match the results")
+    if obj["verdict"] not in VERDICTS:
+        raise ReportError("$.verdict", f"expected one of {VERDICTS}, got {obj['verdict']!r}")
+    verdict, uncovered = compute_verdict(obj["results"], strict)
+    if obj["verdict"] != verdict:
+        mode = "strict" if strict else "non-strict"
+        raise ReportError("$.verdict", f"{obj['verdict']!r} but the results give {verdict!r} "
+                                       f"({mode})")
+    _expect_type(obj["uncovered"], "$.uncovered", list)
+    if obj["uncovered"] != uncovered:
+        raise ReportError("$.uncovered", f"expected {uncovered}, got {obj['uncovered']!r}")
+
+
+def _validate_environment(env: Any) -> None:
+    _expect_keys(env, "$.environment", _ENV_KEYS)
+    _expect_type(env["python"], "$.environment.python", str)
+    for key in ("torch", "vllm", "vllm_omni"):
+        _expect_type(env[key], f"$.environment.{key}", str, none=True)
+    for key in ("platform", "host"):
+        _expect_type(env[key], f"$.environment.{key}", str)
+    _expect_type(env["options"], "$.environment.options", dict)
+    _expect_type(env["seed"], "$.environment.seed", int, none=True)
+    _expect_type(env["devices"], "$.environment.devices", list)
+    for i, device in enumerate(env["devices"]):
+        where = f"$.environment.devices[{i}]"
+        _expect_keys(device, where, _DEVICE_KEYS)
+        _expect_type(device["name"], f"{where}.name", str)
+        _expect_type(device["memory_bytes"], f"{where}.memory_bytes", int, none=True)
+        for key in ("driver", "cuda"):
+            _expect_type(device[key], f"{where}.{key}", str, none=True)
+
+
+def _validate_result(result: Any, where: str) -> None:
+    _expect_keys(result, where, _RESULT_KEYS, optional=_RESULT_OPTIONAL_KEYS)
+    _expect_type(result["nodeid"], f"{where}.nodeid", str)
+    _expect_type(result["clause"], f"{where}.clause", str)
+    if not CLAUSE_RE.match(result["clause"]):
+        raise ReportError(f"{where}.clause", f"not a clause id: {result['clause']!r}")
+    for key in ("backend", "case", "layout", "device", "reason", "xfail"):
+        _expect_type(result.get(key), f"{where}.{key}", str, none=True)
+    if result["status"] not in STATUSES:
+        raise ReportError(
+            f"{where}.status", f"expected one of {', '.join(STATUSES)}, got {result['status']!r}"
+        )
+    duration = result["duration_s"]
+    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or duration < 0:
+        raise ReportError(f"{where}.duration_s", f"expected a number >= 0, got {duration!r}")
+    kind = result.get("skip_kind")
+    if kind is not None and kind not in SKIP_KINDS:
+        raise ReportError(
+            f"{where}.skip_kind", f"expected one of {', '.join(SKIP_KINDS)}, got {kind!r}"
+        )
+
+
+def _validate_summary(summary: Any) -> None:
+    _expect_keys(summary, "$.summary", _SUMMARY_KEYS)
+    _expect_type(summary["strict"], "$.summary.strict", bool)
+    _expect_type(summary["total"], "$.summary.total", int)
+    _expect_type(summary["by_status"], "$.summary.by_status", dict)
+    _expect_type(summary["by_clause"], "$.summary.by_clause", dict)
+    _expect_type(summary["blocking"], "$.summary.blocking", list)
+
+
+def _expect_keys(
+    obj: Any, where: str, required: Sequence[str], optional: Sequence[str] = ()
+) -> None:
+    _expect_type(obj, where, dict)
+    for key in required:
+        if key not in obj:
+            raise ReportError(f"{where}.{key}", "missing")
+    for key in obj:
+        if key not in required and key not in optional:
+            raise ReportError(f"{where}.{key}", "unknown key")
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", bool: "a boolean", list: "a list",
+               dict: "an object"}
+
+
+def _expect_type(value: Any, where: str, kind: type, *, none: bool = False) -> None:
+    if value is None and none:
+        return
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        expected = _TYPE_NAMES[kind] + (" or null" if none else "")
+        raise ReportError(where, f"expected {expected}, got {value!r}")
+
+
+# --------------------------------------------------------------------------- files
+
+
+def markdown_path(path: str | Path) -> Path:
+    """``report.json`` -> ``report.md``: the Markdown rendering lives next to the JSON."""
+    path = Path(path)
+    if path.suffix == ".md":
+        raise ReportError("$", f"{path}: the JSON report path must not end in .md")
+    return path.with_suffix(".md")
+
+
+def write_report(path: str | Path, report: Mapping[str, Any]) -> tuple[Path, Path]:
+    """Validate, then write JSON and Markdown, each via a temp file and ``os.replace``.
+
+    A reader never sees a half-written report, even when a run is interrupted.
+    """
+    validate_report(report)
+    json_path = Path(path)
+    md_path = markdown_path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(json_path, json.dumps(report, indent=2) + "\n")
+    _atomic_write(md_path, render_markdown(report))
+    return json_path, md_path
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    """Read a JSON report (not yet validated); problems raise :class:`ReportError` naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ReportError("$", f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ReportError("$", f"{path}: not UTF-8 text") from exc
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReportError("$", f"{path}: not JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ReportError("$", f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+# --------------------------------------------------------------------------- matrices
+
+
+def _row_name(result: Mapping[str, Any]) -> str:
+    return result.get("backend") or UPSTREAM_ROW
+
+
+def _backend_names(backends: Iterable[Any]) -> list[str]:
+    names = []
+    for b in backends:
+        if isinstance(b, str):
+            names.append(b)
+        elif isinstance(b, Mapping):
+            names.append(b["name"])
+        else:
+            names.append(b.name)
+    return names
+
+
+def _rows(results: Sequence[Mapping[str, Any]], backends: Iterable[Any]) -> list[str]:
+    """Discovered backends in discovery order, then backends only seen in results, then upstream."""
+    rows = list(dict.fromkeys(_backend_names(backends)))
+    seen = {_row_name(r) for r in results}
+    rows += sorted(seen - set(rows) - {UPSTREAM_ROW})
+    if UPSTREAM_ROW in seen:
+        rows.append(UPSTREAM_ROW)
+    return rows
+
+
+def _columns(results: Iterable[Mapping[str, Any]]) -> list[str]:
+    return sorted({r["clause"] for r in results}, key=clause_sort_key)
+
+
+def worst_status(statuses: Iterable[str]) -> str:
+    """The status a cell aggregating these shows (failed > error > xpassed > skipped > ...)."""
+    return min(statuses, key=_SEVERITY.index)
+
+
+def render_terminal_matrix(
+    results: Iterable[Mapping[str, Any]], backends: Iterable[Any]
+) -> list[str]:
+    """Compact backend x clause matrix for the terminal summary, plus a legend line."""
+    results = list(results)
+    if not results:
+        return ["kvconform: no clause results"]
+    rows = _rows(results, backends)
+    columns = _columns(results)
+    headers = [c.removeprefix("KV-") for c in columns]
+    cells: dict[tuple[str, str], list[str]] = {}
+    for r in results:
+        cells.setdefault((_row_name(r), r["clause"]), []).append(r["status"])
+    width = max(len("backend"), *(len(row) for row in rows))
+    lines = [" ".join(["backend".ljust(width), *headers]).rstrip()]
+    for row in rows:
+        marks = []
+        for clause, header in zip(columns, headers, strict=True):
+            statuses = cells.get((row, clause))
+            mark = _CELL_CHAR[worst_status(statuses)] if statuses else " "
+            marks.append(mark.center(len(header)))
+        lines.append(" ".join([row.ljust(width), *marks]).rstrip())
+    legend = "  ".join(f"{_CELL_CHAR[s]} {_CELL_WORD[s]}" for s in STATUSES)
+    lines.append(f"legend: {legend}  (blank) not run")
+    return lines
+
+
+class _Footnotes:
+    """Numbered footnotes, one per distinct (status, reason), shared across cells."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[tuple[str, str], int] = {}
+
+    def ref(self, status: str, reason: str) -> str:
+        key = (status, " ".join(reason.split()))
+        number = self._numbers.setdefault(key, len(self._numbers) + 1)
+        return f"[^{number}]"
+
+    def lines(self) -> list[str]:
+        return [f"[^{n}]: {_CELL_WORD[s]}: {reason}" for (s, reason), n in self._numbers.items()]
+
+
+def _cell(results: Sequence[Mapping[str, Any]], notes: _Footnotes) -> str:
+    if not results:
+        return ""
+    worst = worst_status(r["status"] for r in results)
+    count = sum(1 for r in results if r["status"] == worst)
+    refs = dict.fromkeys(
+        notes.ref(r["status"], r["reason"])
+        for r in results
+        if r["status"] != "passed" and r.get("reason")
+    )
+    return f"{_CELL_WORD[worst]} {count}/{len(results)}" + "".join(refs)
+
+
+def _md(text: Any) -> str:
+    return "" if text is None else str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(_md(h) for h in header) + " |"]
+    lines.append("|" + "|".join("---" for _ in header) + "|")
+    lines += ["| " + " | ".join(_md(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _matrix_lines(
+    labelled: Sequence[tuple[tuple[str, ...], Sequence[Mapping[str, Any]]]],
+    key_header: Sequence[str],
+    columns: Sequence[str],
+    notes: _Footnotes,
+) -> list[str]:
+    rows = []
+    for key, results in labelled:
+        by_clause: dict[str, list[Mapping[str, Any]]] = {}
+        for r in results:
+            by_clause.setdefault(r["clause"], []).append(r)
+        rows.append([*key, *(_cell(by_clause.get(c, []), notes) for c in columns)])
+    return _table([*key_header, *columns], rows)
+
+
+def _format_bytes(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _device_text(device: Mapping[str, Any]) -> str:
+    parts = [device["name"], _format_bytes(device["memory_bytes"])]
+    if device.get("driver"):
+        parts.append(f"driver {device['driver']}")
+    if device.get("cuda"):
+        parts.append(f"CUDA {device['cuda']}")
+    return ", ".join(parts)
+
+
+def _verdict_line(report: Mapping[str, Any]) -> str:
+    mode = "strict" if report["summary"]["strict"] else "non-strict"
+    return f"**Verdict: {report['verdict']}** ({mode})"
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    """Matrix (with footnoted reasons), environment, backends and verdict of one report."""
+    env = report["environment"]
+    results = report["results"]
+    notes = _Footnotes()
+    grouped: dict[str, list[Mapping[str, Any]]] = {}
+    for r in results:
+        grouped.setdefault(_row_name(r), []).append(r)
+    rows = _rows(results, report["backends"])
+    labelled = [((row,), grouped.get(row, [])) for row in rows]
+    lines = [
+        "# pytest-kvconform qualification report",
+        "",
+        _verdict_line(report),
+        "",
+        f"Contract {report['contract']}, schema `{report['schema']}`, host `{env['host']}`.",
+        "",
+        "## Matrix",
+        "",
+    ]
+    if results:
+        lines += _matrix_lines(labelled, ["backend"], _columns(results), notes)
+    else:
+        lines.append("No clause results.")
+    lines += ["", "## Verdict", "", _verdict_line(report), ""]
+    counts = report["summary"]["by_status"]
+    lines.append(", ".join(f"{counts[s]} {s}" for s in STATUSES) + f" of {len(results)}.")
+    if report["uncovered"]:
+        lines += ["", "Not covered by this host's hardware: " + ", ".join(report["uncovered"])]
+    if report["summary"]["blocking"]:
+        lines += ["", "Blocking results:", ""]
+        lines += [f"- `{nodeid}`" for nodeid in report["summary"]["blocking"]]
+    lines += ["", "## Environment", ""]
+    env_rows: list[tuple[str, Any]] = [
+        (key, env[key] if env[key] is not None else "not installed")
+        for key in ("python", "torch", "vllm", "vllm_omni")
+    ]
+    env_rows += [("platform", env["platform"]), ("host", env["host"]), ("seed", env["seed"])]
+    env_rows += [(f"device {i}", _device_text(d)) for i, d in enumerate(env["devices"])]
+    env_rows += [("options", json.dumps(env["options"], sort_keys=True))]
+    lines += _table(["key", "value"], env_rows)
+    if report["backends"]:
+        lines += ["", "## Backends", ""]
+        lines += _table(
+            ["backend", "source", "path", "overridden", "importable", "reason"],
+            [
+                [b["name"], b["source"], b["path"], b["overridden"], b["importable"], b["reason"]]
+                for b in report["backends"]
+            ],
+        )
+    footnotes = notes.lines()
+    if footnotes:
+        lines += ["", *footnotes]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- merge
+
+
+def check_mergeable(named: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+    """Refuse reports of different schema or contract, naming both files and values.
+
+    Checked before full validation so that a report of another schema version
+    gets this message rather than a confusing schema error.
+    """
+    if not named:
+        raise ReportError("$", "no reports to merge")
+    first_name, first = named[0]
+    for key in ("schema", "contract"):
+        for name, report in named[1:]:
+            if report.get(key) != first.get(key):
+                raise ReportError(
+                    f"$.{key}",
+                    f"{first_name} has {key} {first.get(key)!r} but {name} has "
+                    f"{report.get(key)!r}; reports of different {key} versions cannot be merged",
+                )
+
+
+def host_labels(named: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
+    """``environment.host`` per report; equal hosts get the file name, then a counter."""
+    hosts = [report["environment"]["host"] for _, report in named]
+    named_labels = [
+        f"{host} ({Path(name).name})" if hosts.count(host) > 1 else host
+        for host, (name, _) in zip(hosts, named, strict=True)
+    ]
+    return [
+        f"{label} #{named_labels[:i].count(label) + 1}" if named_labels.count(label) > 1 else label
+        for i, label in enumerate(named_labels)
+    ]
+
+
+def merged_uncovered(reports: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Clauses some host could not cover for hardware and no host actually ran."""
+    ran = {
+        r["clause"] for rep in reports for r in rep["results"] if r["status"] != "skipped"
+    }
+    missing = {c for rep in reports for c in rep["uncovered"]} - ran
+    return sorted(missing, key=clause_sort_key)
+
+
+def render_merged_markdown(named: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+    """One backend x host x clause matrix from several validated, mergeable reports."""
+    check_mergeable(named)
+    labels = host_labels(named)
+    reports = [report for _, report in named]
+    all_results = [r for rep in reports for r in rep["results"]]
+    rows = _rows(all_results, [b for rep in reports for b in rep["backends"]])
+    notes = _Footnotes()
+    labelled = []
+    for row in rows:
+        for label, rep in zip(labels, reports, strict=True):
+            results = [r for r in rep["results"] if _row_name(r) == row]
+            labelled.append(((row, label), results))
+    qualified = all(rep["verdict"] == "qualified" for rep in reports)
+    overall = "qualified" if qualified else "not qualified"
+    lines = [
+        "# pytest-kvconform merged qualification matrix",
+        "",
+        f"**Verdict: {overall}** (every host must qualify)",
+        "",
+        f"Contract {reports[0]['contract']}, schema `{reports[0]['schema']}`.",
+        "",
+        "## Hosts",
+        "",
+    ]
+    host_rows = []
+    for label, (name, rep) in zip(labels, named, strict=True):
+        env = rep["environment"]
+        devices = "; ".join(_device_text(d) for d in env["devices"])
+        mode = "strict" if rep["summary"]["strict"] else "non-strict"
+        host_rows.append([
+            label, name, f"{rep['verdict']} ({mode})", env["vllm"], env["vllm_omni"],
+            env["torch"], devices,
+        ])
+    lines += _table(["host", "file", "verdict", "vllm", "vllm_omni", "torch", "devices"],
+                    host_rows)
+    lines += ["", "## Matrix", ""]
+    if all_results:
+        lines += _matrix_lines(labelled, ["backend", "host"], _columns(all_results), notes)
+    else:
+        lines.append("No clause results.")
+    uncovered = merged_uncovered(reports)
+    if uncovered:
+        lines += ["", "Not covered by any host: " + ", ".join(uncovered)]
+    footnotes = notes.lines()
+    if footnotes:
+        lines += ["", *footnotes]
+    return "\n".join(lines) + "\n"

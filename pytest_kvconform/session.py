@@ -1,0 +1,288 @@
+"""The state of one ``--kv-conformance`` run, registered as a plugin by ``plugin.py``.
+
+Discovery, cases, parametrisation, expected failures, the results and the
+report all live here, so that ``plugin.py`` stays free of heavy imports.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from pytest_kvconform import cases as cases_mod
+from pytest_kvconform import compat
+from pytest_kvconform.discovery import Discovery, DiscoveryError, discover
+from pytest_kvconform.model import BackendUnderTest, Case, clause_from_test_name
+from pytest_kvconform.options import Options
+from pytest_kvconform.suite.runner import SKIP_KIND_PROPERTY
+
+PROPERTIES = ("kv_clause", "kv_backend", "kv_case", "kv_layout", "kv_device")
+NO_BACKEND_ID = "no-backend"
+
+
+class KvSession:
+    """Per-run state; pytest hooks on the instance run only with --kv-conformance."""
+
+    def __init__(self, config: pytest.Config, options: Options) -> None:
+        self.config = config
+        self.options = options
+        self.discovery = Discovery()
+        self.cases: list[Case] = []
+        self.results: list[dict[str, Any]] = []
+        self.xfails: list[Any] = []
+        self.discovery_seconds = 0.0
+        self.device = "cpu"
+        self.gpu_ids: list[str] = []
+        self._setup_device()
+
+    # -- set-up -----------------------------------------------------------------
+
+    def _setup_device(self) -> None:
+        from pytest_kvconform import devices
+
+        try:
+            request = devices.parse_device_option(self.options.device)
+        except devices.DeviceError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        workerinput = getattr(self.config, "workerinput", None)
+        if workerinput is not None and "kvconform_device" in workerinput:
+            self.device = devices.apply_worker_device(workerinput)
+            self.gpu_ids = list(workerinput.get("kvconform_gpu_ids") or [])
+        else:
+            import os
+
+            self.gpu_ids = devices.visible_gpu_ids(os.environ,
+                                                   devices.count_gpus_without_cuda_init)
+            try:
+                self.device = devices.torch_device_for(request, self.gpu_ids)
+            except devices.DeviceError as exc:
+                raise pytest.UsageError(str(exc)) from None
+        from pytest_kvconform import xdist_hooks
+
+        xdist_hooks.register_xdist_hooks(self.config)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        try:
+            self.cases = cases_mod.load_cases(self.options.cases)
+        except cases_mod.CaseFileError as exc:
+            raise pytest.UsageError(f"--kv-cases: {exc}") from None
+        started = time.monotonic()
+        hook_results = self.config.hook.pytest_kvconform_backends(config=self.config)
+        try:
+            self.discovery = discover(hook_results)
+        except DiscoveryError as exc:
+            raise pytest.UsageError(f"kvconform: {exc}") from None
+        self.discovery_seconds = time.monotonic() - started
+        self._select_backends()
+        if self.options.xfails is not None:
+            from pytest_kvconform import xfails
+
+            try:
+                self.xfails = xfails.load_xfails(self.options.xfails)
+            except (OSError, xfails.XfailFileError) as exc:
+                raise pytest.UsageError(f"--kv-xfails: {exc}") from None
+
+    def _select_backends(self) -> None:
+        wanted = self.options.backends
+        if not wanted:
+            return
+        available = self.discovery.names
+        unknown = [name for name in wanted if name not in available]
+        if unknown:
+            listing = ", ".join(available) or "(none: " + "; ".join(self.discovery.notes) + ")"
+            raise pytest.UsageError(f"--kv-backend: unknown backend {', '.join(unknown)}; "
+                                    f"available backends: {listing}")
+        self.discovery.backends = [b for b in self.discovery.backends if b.name in wanted]
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        v = compat.versions()
+        backends = self.discovery.backends
+        importable = sum(b.importable for b in backends)
+        lines = [
+            f"kvconform: vllm {v['vllm']}, vllm-omni {v['vllm-omni'] or 'not installed'}, "
+            f"torch {v['torch']}; device {self.device}",
+            f"kvconform: {len(backends)} backends ({importable} importable) discovered in "
+            f"{self.discovery_seconds:.1f}s: {', '.join(b.name for b in backends) or '-'}",
+            f"kvconform: {len(self.cases)} cases: {', '.join(c.id for c in self.cases)}",
+        ]
+        lines += [f"kvconform: note: {note}" for note in self.discovery.notes]
+        return lines
+
+    # -- collection -------------------------------------------------------------
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        names = metafunc.fixturenames
+        if "kv_backend" in names:
+            backends: list[Any] = list(self.discovery.backends)
+            ids = [b.name for b in backends]
+            if not backends:
+                reason = "; ".join(self.discovery.notes) or "no backend discovered"
+                backends, ids = [_NoBackend(reason)], [NO_BACKEND_ID]
+            metafunc.parametrize("kv_backend", backends, ids=ids)
+        if "kv_layout" in names:
+            metafunc.parametrize("kv_layout", compat.LAYOUT_NAMES, ids=compat.LAYOUT_NAMES)
+        if "kv_need" in names:
+            metafunc.parametrize("kv_need", [False, True], ids=["need_False", "need_True"])
+        if "kv_case" in names:
+            marker = metafunc.definition.get_closest_marker("kv_cases")
+            selected = [c for c in self.cases if marker is None or marker.args[0](c)]
+            metafunc.parametrize("kv_case", selected, ids=[c.id for c in selected])
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
+        for item in items:
+            props = item_properties(item, self.device)
+            if props is None:
+                continue
+            item.user_properties.extend(props.items())
+            if not self.xfails:
+                continue
+            from pytest_kvconform.xfails import first_match
+
+            entry = first_match(self.xfails, backend=props["kv_backend"],
+                                clause=props["kv_clause"], case=props["kv_case"],
+                                layout=props["kv_layout"], versions=_versions_for_xfails(),
+                                device_kind=self.device.split(":")[0])
+            if entry is not None:
+                item.add_marker(pytest.mark.xfail(reason=f"known: {entry.reason} "
+                                                  f"[{entry.describe()}]",
+                                                  strict=self.options.strict))
+
+    # -- results ----------------------------------------------------------------
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        record = result_record(report)
+        if record is not None:
+            self.results.append(record)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        from pytest_kvconform import report as report_mod
+
+        if getattr(self.config, "workerinput", None) is not None:
+            return
+        tr = terminalreporter
+        tr.section("kvconform: backend x clause")
+        for line in report_mod.render_terminal_matrix(self.results, self.backend_dicts()):
+            tr.write_line(line)
+        for entry in self.stale_xfails():
+            tr.write_line(f"kvconform: warning: stale xfail entry {entry.describe()} matched no "
+                          "test", yellow=True)
+        if self.options.strict:
+            verdict, uncovered = report_mod.compute_verdict(self.results, strict=True)
+            tr.write_line(f"kvconform: verdict: {verdict}" + (
+                f" (hardware could not cover: {', '.join(uncovered)})" if uncovered else ""))
+
+    def stale_xfails(self) -> list[Any]:
+        if not self.xfails:
+            return []
+        from pytest_kvconform import xfails
+
+        matched = {r.get("xfail") for r in self.results if r.get("xfail")}
+        return xfails.stale_entries(self.xfails, matched, versions=_versions_for_xfails(),
+                                    device_kind=self.device.split(":")[0])
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if getattr(self.config, "workerinput", None) is not None:
+            return
+        from pytest_kvconform import report as report_mod
+
+        strict = self.options.strict
+        if strict:
+            verdict, _ = report_mod.compute_verdict(self.results, strict=True)
+            if verdict != "qualified" and session.exitstatus == 0:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if self.options.report is None:
+            return
+        environment = report_mod.environment_info(self.options.raw, seed=None)
+        built = report_mod.build_report(environment=environment,
+                                        backends=self.backend_dicts(),
+                                        results=self.results, options=self.options.raw,
+                                        strict=strict)
+        json_path, md_path = report_mod.write_report(self.options.report, built)
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            tr.write_line(f"kvconform: report written to {json_path} and {md_path}")
+
+    def backend_dicts(self) -> list[dict[str, Any]]:
+        return [{"name": b.name, "path": b.path, "source": b.source,
+                 "overridden": b.overridden, "importable": b.importable, "reason": b.error}
+                for b in self.discovery.backends]
+
+
+class _NoBackend(BackendUnderTest):
+    """Stands in when no backend could be discovered, so the reason is reported."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(NO_BACKEND_ID, "", "none", error=reason)
+
+
+def _versions_for_xfails() -> dict[str, str | None]:
+    v = compat.versions()
+    return {"vllm": v["vllm"], "vllm_omni": v["vllm-omni"]}
+
+
+def item_properties(item: pytest.Item, device: str) -> dict[str, Any] | None:
+    """Clause, backend, case and layout of a suite test; None for other tests."""
+    clause = clause_from_test_name(item.name)
+    if clause is None or not hasattr(item, "callspec"):
+        return None
+    params = item.callspec.params
+    backend = params.get("kv_backend")
+    case = params.get("kv_case")
+    return {
+        "kv_clause": clause,
+        "kv_backend": backend.name if backend is not None else None,
+        "kv_case": case.id if case is not None else None,
+        "kv_layout": params.get("kv_layout"),
+        "kv_device": device,
+    }
+
+
+def result_record(report: pytest.TestReport) -> dict[str, Any] | None:
+    """One result row for the report, from the report of a suite test's phase."""
+    props = dict(report.user_properties)
+    if "kv_clause" not in props:
+        return None
+    wasxfail = getattr(report, "wasxfail", None)
+    if report.when == "call":
+        if wasxfail is not None:
+            status = "xfailed" if report.skipped else "xpassed"
+        else:
+            status = report.outcome
+    elif report.failed:
+        status = "error"
+    elif report.skipped and report.when == "setup":
+        status = "xfailed" if wasxfail is not None else "skipped"
+    else:
+        return None
+    reason = ""
+    if status == "skipped" and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+    elif status in ("failed", "error"):
+        crash = getattr(report.longrepr, "reprcrash", None)
+        reason = crash.message if crash is not None else str(report.longrepr)
+        reason = reason.split(": ", 1)[1] if reason.startswith(
+            "pytest_kvconform.checks.errors.ClauseFailure: ") else reason
+    elif wasxfail is not None:
+        reason = str(wasxfail).removeprefix("reason: ")
+    entry = None
+    if wasxfail and "[" in str(wasxfail):
+        entry = str(wasxfail).rsplit("[", 1)[1].rstrip("]")
+    return {
+        "nodeid": report.nodeid,
+        "backend": props.get("kv_backend"),
+        "clause": props["kv_clause"],
+        "case": props.get("kv_case"),
+        "layout": props.get("kv_layout"),
+        "device": props.get("kv_device"),
+        "status": status,
+        "reason": reason,
+        "duration_s": round(report.duration, 4),
+        "skip_kind": props.get(SKIP_KIND_PROPERTY),
+        "xfail": entry,
+    }

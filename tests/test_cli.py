@@ -1,0 +1,178 @@
+"""The ``kvconform`` console script: show, validate, merge, and the ``run`` slot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_kvconform import report as rp
+from pytest_kvconform.cli import main
+
+
+def make_report(host: str, status_l7: str, *, skip_kind: str | None = None) -> dict[str, Any]:
+    results = [
+        {"nodeid": "t.py::test_kv_l1[FLASH_ATTN]", "backend": "FLASH_ATTN", "clause": "KV-L1",
+         "case": None, "layout": None, "device": "cpu", "status": "passed", "reason": None,
+         "duration_s": 0.1},
+        {"nodeid": "t.py::test_kv_l7[FLASH_ATTN]", "backend": "FLASH_ATTN", "clause": "KV-L7",
+         "case": None, "layout": None, "device": "cuda:0", "status": status_l7,
+         "reason": "no CUDA device" if status_l7 == "skipped" else None, "duration_s": 0.2,
+         "skip_kind": skip_kind},
+    ]
+    env = {
+        "python": "3.11.7", "torch": "2.13.0", "vllm": "0.30.0", "vllm_omni": "0.30.0",
+        "platform": "Linux", "host": host, "options": {}, "seed": None,
+        "devices": [{"name": "cpu", "memory_bytes": None, "driver": None, "cuda": None}],
+    }
+    backends = [{"name": "FLASH_ATTN", "path": "m:F", "source": "registry", "overridden": False,
+                 "importable": True, "reason": None}]
+    return rp.build_report(environment=env, backends=backends, results=results, options={},
+                           strict=True)
+
+
+def dump(path: Path, obj: Any) -> Path:
+    path.write_text(json.dumps(obj))
+    return path
+
+
+@pytest.fixture
+def two_reports(tmp_path: Path) -> tuple[Path, Path]:
+    cpu = dump(tmp_path / "cpu.json", make_report("cpu-box", "skipped", skip_kind="hardware"))
+    gpu = dump(tmp_path / "gpu.json", make_report("gpu-box", "passed"))
+    return cpu, gpu
+
+
+def test_show_prints_markdown(two_reports: tuple[Path, Path], capsys: Any) -> None:
+    cpu, _ = two_reports
+    assert main(["show", str(cpu)]) == 0
+    out = capsys.readouterr().out
+    assert out == rp.render_markdown(json.loads(cpu.read_text()))
+    assert "| FLASH_ATTN | pass 1/1 | skip 1/1[^1] |" in out
+
+
+def test_validate(two_reports: tuple[Path, Path], tmp_path: Path, capsys: Any) -> None:
+    cpu, gpu = two_reports
+    assert main(["validate", str(cpu), str(gpu)]) == 0
+    assert "valid" in capsys.readouterr().out
+    broken = json.loads(cpu.read_text())
+    broken["results"][1]["status"] = "maybe"
+    bad = dump(tmp_path / "broken.json", broken)
+    assert main(["validate", str(cpu), str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvconform: error: {bad}: $.results[1].status: expected one of")
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("{oops", "not JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"schema": "other/1"}', "unsupported schema 'other/1'"),
+    ],
+)
+def test_bad_file_is_one_clear_message(
+    tmp_path: Path, capsys: Any, content: str, expected: str
+) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    for command in ("show", "validate"):
+        assert main([command, str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert str(bad) in err and expected in err
+
+
+def test_missing_file(tmp_path: Path, capsys: Any) -> None:
+    assert main(["show", str(tmp_path / "absent.json")]) == 2
+    assert "absent.json: cannot read" in capsys.readouterr().err
+
+
+def test_merge_writes_both_hosts(two_reports: tuple[Path, Path], tmp_path: Path) -> None:
+    cpu, gpu = two_reports
+    out = tmp_path / "matrix.md"
+    assert main(["merge", str(cpu), str(gpu), "-o", str(out)]) == 0
+    md = out.read_text().splitlines()
+    assert "| backend | host | KV-L1 | KV-L7 |" in md
+    assert "| FLASH_ATTN | cpu-box | pass 1/1 | skip 1/1[^1] |" in md
+    assert "| FLASH_ATTN | gpu-box | pass 1/1 | pass 1/1 |" in md
+    assert "[^1]: skip: no CUDA device" in md
+    assert any(line.startswith("| cpu-box | " + str(cpu)) for line in md)
+    assert any(line.startswith("| gpu-box | " + str(gpu)) for line in md)
+    assert "**Verdict: qualified** (every host must qualify)" in md
+    # The GPU host ran KV-L7: the merged matrix leaves no clause uncovered.
+    assert not any(line.startswith("Not covered by any host") for line in md)
+
+
+def test_merge_reports_uncovered_and_failing_host(tmp_path: Path, capsys: Any) -> None:
+    a = dump(tmp_path / "a.json", make_report("cpu-box", "skipped", skip_kind="hardware"))
+    b = dump(tmp_path / "b.json", make_report("cpu-box", "skipped", skip_kind="environment"))
+    assert main(["merge", str(a), str(b)]) == 0
+    md = capsys.readouterr().out.splitlines()
+    # Equal hosts are told apart by file name.
+    assert any(line.startswith("| FLASH_ATTN | cpu-box (a.json) |") for line in md)
+    assert any(line.startswith("| FLASH_ATTN | cpu-box (b.json) |") for line in md)
+    assert "**Verdict: not qualified** (every host must qualify)" in md
+    assert "Not covered by any host: KV-L7" in md
+
+
+def test_host_labels_disambiguate_same_file_name() -> None:
+    rep = make_report("h", "passed")
+    assert rp.host_labels([("x/r.json", rep), ("y/r.json", rep), ("z.json", rep)]) == [
+        "h (r.json) #1", "h (r.json) #2", "h (z.json)"
+    ]
+
+
+def test_merge_refuses_different_schema(
+    two_reports: tuple[Path, Path], tmp_path: Path, capsys: Any
+) -> None:
+    cpu, gpu = two_reports
+    future = json.loads(gpu.read_text())
+    future["schema"] = "pytest-kvconform/report/2"
+    future_path = dump(tmp_path / "future.json", future)
+    out = tmp_path / "matrix.md"
+    assert main(["merge", str(cpu), str(future_path), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(cpu) in err and str(future_path) in err
+    assert "'pytest-kvconform/report/1'" in err and "'pytest-kvconform/report/2'" in err
+    assert "schema" in err
+    assert not out.exists()
+
+
+def test_merge_refuses_different_contract(
+    two_reports: tuple[Path, Path], tmp_path: Path, capsys: Any
+) -> None:
+    cpu, gpu = two_reports
+    other = json.loads(gpu.read_text())
+    other["contract"] = "0"
+    other_path = dump(tmp_path / "old.json", other)
+    assert main(["merge", str(cpu), str(other_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{cpu} has contract '1' but {other_path} has '0'" in err
+
+
+def test_merge_refuses_invalid_report(
+    two_reports: tuple[Path, Path], tmp_path: Path, capsys: Any
+) -> None:
+    cpu, gpu = two_reports
+    edited = json.loads(gpu.read_text())
+    edited["verdict"] = "not qualified"
+    edited_path = dump(tmp_path / "edited.json", edited)
+    assert main(["merge", str(cpu), str(edited_path)]) == 2
+    assert f"{edited_path}: $.verdict" in capsys.readouterr().err
+
+
+def test_run_is_not_available_yet(capsys: Any) -> None:
+    assert main(["run", "--anything"]) == 2
+    assert "not available" in capsys.readouterr().err
+
+
+def test_usage_errors_return_2(capsys: Any) -> None:
+    assert main([]) == 2
+    assert main(["frobnicate"]) == 2
+    assert main(["merge"]) == 2
+    assert main(["--help"]) == 0
+    assert "merge" in capsys.readouterr().out

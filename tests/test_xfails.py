@@ -1,0 +1,174 @@
+"""Expected-failure files: parsing, matching, version/device conditions, staleness."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pytest_kvconform.xfails import (
+    XfailEntry,
+    XfailFileError,
+    first_match,
+    load_xfails,
+    stale_entries,
+)
+
+GOOD = """
+[[xfail]]
+backend = "FLASH_ATTN"
+clause = "KV-L6"
+reason = "vllm-omni 0.30 drops the backend's flag"
+vllm_omni = ">=0.30,<0.31"
+
+[[xfail]]
+backend = "*"
+clause = "KV-S4"
+case = "padded"
+layout = "BLNHC"
+reason = "padding not supported"
+vllm = ">=0.30"
+device = "cuda"
+"""
+
+V030 = {"vllm": "0.30.0", "vllm_omni": "0.30.0"}
+
+
+def write(tmp_path: Path, text: str, name: str = "xfails.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def entries(tmp_path: Path) -> list[XfailEntry]:
+    return load_xfails(write(tmp_path, GOOD))
+
+
+def test_load_parses_entries(entries: list[XfailEntry], tmp_path: Path) -> None:
+    first, second = entries
+    assert (first.index, first.backend, first.clause, first.case, first.layout) == (
+        1, "FLASH_ATTN", "KV-L6", None, None
+    )
+    assert first.file == str(tmp_path / "xfails.toml")
+    assert str(first.vllm_omni) == "<0.31,>=0.30"
+    assert first.vllm is None and first.device is None
+    assert (second.index, second.case, second.layout, second.device) == (
+        2, "padded", "BLNHC", "cuda"
+    )
+
+
+def test_describe_is_stable_and_host_independent(tmp_path: Path) -> None:
+    a = load_xfails(write(tmp_path, GOOD))
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    b = load_xfails(write(other, GOOD))
+    assert [e.describe() for e in a] == [
+        "xfails.toml:1 FLASH_ATTN/KV-L6",
+        "xfails.toml:2 */KV-S4/padded@BLNHC",
+    ]
+    assert [e.describe() for e in a] == [e.describe() for e in b]
+
+
+def test_empty_file_gives_no_entries(tmp_path: Path) -> None:
+    assert load_xfails(write(tmp_path, "# nothing yet\n")) == []
+
+
+def test_matches(entries: list[XfailEntry]) -> None:
+    flash, padded = entries
+    assert flash.matches("FLASH_ATTN", "KV-L6", None, None)
+    assert flash.matches("FLASH_ATTN", "KV-L6", "any-case", "LBHNC")  # unset fields match any
+    assert not flash.matches("SAGE", "KV-L6", None, None)
+    assert not flash.matches("FLASH_ATTN", "KV-L7", None, None)
+    assert not flash.matches(None, "KV-L6", None, None)
+    assert padded.matches(None, "KV-S4", "padded", "BLNHC")  # "*" names upstream tests too
+    assert padded.matches("SAGE", "KV-S4", "padded", "BLNHC")
+    assert not padded.matches(None, "KV-S4", "padded", "LBNHC")
+    assert not padded.matches(None, "KV-S4", "split", "BLNHC")
+    assert not padded.matches(None, "KV-S4", None, "BLNHC")
+
+
+def test_applies_to_versions(entries: list[XfailEntry]) -> None:
+    flash, _ = entries
+    assert flash.applies_to(V030, "cpu")
+    assert flash.applies_to({"vllm": "0.30.0", "vllm_omni": "0.30.2.dev3+gabc"}, "cpu")
+    assert not flash.applies_to({"vllm": "0.30.0", "vllm_omni": "0.31.0"}, "cpu")
+    assert not flash.applies_to({"vllm": "0.30.0", "vllm_omni": None}, "cpu")  # not installed
+    assert not flash.applies_to({"vllm": "0.30.0"}, "cpu")
+    assert not flash.applies_to({"vllm": "0.30.0", "vllm_omni": "unknown"}, "cpu")
+    assert flash.applies_to({"vllm-omni": "0.30.1"}, "cpu")  # distribution spelling accepted
+
+
+def test_applies_to_device(entries: list[XfailEntry]) -> None:
+    _, padded = entries
+    assert padded.applies_to(V030, "cuda")
+    assert padded.applies_to(V030, "cuda:1")
+    assert not padded.applies_to(V030, "cpu")
+    assert not padded.applies_to({"vllm": "0.29.9", "vllm_omni": None}, "cuda")
+    assert padded.applies_to({"vllm": "0.31.0", "vllm_omni": None}, "cuda")  # omni unconditioned
+
+
+def test_first_match(entries: list[XfailEntry]) -> None:
+    found = first_match(entries, backend="FLASH_ATTN", clause="KV-L6", case=None, layout=None,
+                        versions=V030, device_kind="cpu")
+    assert found is entries[0]
+    assert first_match(entries, backend=None, clause="KV-S4", case="padded", layout="BLNHC",
+                       versions=V030, device_kind="cpu") is None
+
+
+def test_stale_entries(entries: list[XfailEntry]) -> None:
+    flash, padded = entries
+    assert stale_entries(entries, {flash.describe()}) == [padded]
+    assert stale_entries(entries, {flash.describe(), padded.describe()}) == []
+    assert stale_entries(entries, set()) == [flash, padded]
+    # On a CPU host the cuda-only entry is written for another host: not stale here.
+    assert stale_entries(entries, set(), versions=V030, device_kind="cpu") == [flash]
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ('backend = "A"\nclause = "KV-L6"\nreason = "r"\nbackends = "B"',
+         r"entry 2: key 'backends': unknown key"),
+        ('backend = "A"\nclause = "KV-L6"', r"entry 2: key 'reason': missing"),
+        ('backend = "A"\nclause = "KV-L6"\nreason = "   "', r"entry 2: key 'reason': must be a"),
+        ('backend = "A"\nclause = "KV-L6"\nreason = "r"\nvllm = "~=banana"',
+         r"entry 2: key 'vllm': bad PEP 440 specifier '~=banana'"),
+        ('backend = "A"\nclause = "KV-L6"\nreason = "r"\nvllm_omni = "0.30"',
+         r"entry 2: key 'vllm_omni': bad PEP 440 specifier"),
+        ('backend = "A"\nclause = "L6"\nreason = "r"',
+         r"entry 2: key 'clause': bad clause id 'L6'"),
+        ('backend = "A"\nclause = "KV-X1"\nreason = "r"', r"key 'clause': bad clause id"),
+        ('backend = "A"\nclause = "KV-L6"\nreason = "r"\ndevice = "tpu"',
+         r"entry 2: key 'device': must be one of cpu, cuda"),
+        ('backend = 3\nclause = "KV-L6"\nreason = "r"', r"entry 2: key 'backend': must be a"),
+    ],
+)
+def test_bad_entry_names_file_index_and_key(tmp_path: Path, body: str, expected: str) -> None:
+    ok = '[[xfail]]\nbackend = "A"\nclause = "KV-L1"\nreason = "fine"\n\n'
+    path = write(tmp_path, ok + "[[xfail]]\n" + body + "\n", name="known.toml")
+    with pytest.raises(XfailFileError, match=expected) as info:
+        load_xfails(path)
+    assert str(info.value).startswith(str(path) + ": [[xfail]] entry 2: key ")
+    assert info.value.index == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[[xfail]\nbackend = 1", "not valid TOML"),
+        ('[[xfails]]\nbackend = "A"', "unknown top-level key 'xfails'"),
+        ('xfail = "A"', "must be an array of tables"),
+        ("xfail = [1]", "entry 1: must be a table"),
+    ],
+)
+def test_bad_file_names_the_file(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text, name="bad.toml")
+    with pytest.raises(XfailFileError, match=expected) as info:
+        load_xfails(path)
+    assert str(info.value).startswith(str(path))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(XfailFileError, match=r"nope\.toml: cannot read"):
+        load_xfails(tmp_path / "nope.toml")
