@@ -197,16 +197,17 @@ def layer_names(case: Case, group: int | None = None) -> list[str]:
 def worker_specs(case: Case) -> list[dict[str, Any]]:
     """One ``{layer name: spec}`` dict per rank, as each worker reports it.
 
-    Several groups are made by giving alternate layers specs that differ
-    (a sliding window), which vLLM groups separately.
+    Several groups are made by giving the layers of group ``g > 0`` a
+    ``SlidingWindowSpec`` (window ``block_size * (g + 1)``): a different spec
+    *type*, which vLLM groups separately when the hybrid KV cache manager is on
+    (see :func:`enable_hybrid_kv_cache_manager`).  A ``FullAttentionSpec`` with a
+    ``sliding_window`` merges into the full-attention group and gives one group.
     """
     specs: dict[str, Any] = {}
     for group in range(case.num_groups):
         spec = attention_spec(case)
         if group:
-            from dataclasses import replace
-
-            spec = replace(spec, sliding_window=case.block_size * (group + 1))
+            spec = sliding_window_spec(spec, case.block_size * (group + 1))
         for name in layer_names(case, group):
             specs[name] = spec
     ordered = {name: specs[name] for name in layer_names(case)}
@@ -285,6 +286,43 @@ def block_pool(num_blocks: int) -> Any:
     if "hash_block_size" in params:
         kwargs["hash_block_size"] = 16
     return BlockPool(**kwargs)
+
+
+# --- null-block sizing (KV-N) -----------------------------------------------------
+
+
+def scheduler_block_pool(vllm_config: Any, scheduler_kv_cache_config: Any) -> Any:
+    """The ``BlockPool`` the scheduler's ``KVCacheManager`` builds from its config.
+
+    Built the way the engine does (block sizes from ``resolve_kv_cache_block_sizes``),
+    so KV-N2 sees what admission sees; arguments are matched by parameter name.
+    """
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from_utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
+    resolve = getattr(from_utils, "resolve_kv_cache_block_sizes", None)
+    if resolve is not None:
+        scheduler_block_size, hash_block_size = resolve(scheduler_kv_cache_config, vllm_config)
+    else:
+        groups = scheduler_kv_cache_config.kv_cache_groups
+        scheduler_block_size = hash_block_size = groups[0].kv_cache_spec.block_size
+    values: dict[str, Any] = {
+        "kv_cache_config": scheduler_kv_cache_config,
+        "max_model_len": vllm_config.model_config.max_model_len,
+        "scheduler_block_size": scheduler_block_size,
+        "hash_block_size": hash_block_size,
+        "enable_caching": False,
+    }
+    kwargs: dict[str, Any] = {}
+    for name, param in inspect.signature(KVCacheManager).parameters.items():
+        if name in values:
+            kwargs[name] = values[name]
+        elif param.default is inspect.Parameter.empty and param.kind not in (
+                param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise TypeError(f"installed KVCacheManager needs unknown argument {name!r}")
+    manager = KVCacheManager(**kwargs)
+    pool = getattr(manager, "block_pool", None)
+    return pool if pool is not None else manager.coordinator.block_pool
 
 
 # --- worker side -----------------------------------------------------------------
@@ -384,3 +422,266 @@ def unresolved_layout_error_text() -> str:
     except ValueError as exc:
         return str(exc)
     return ""
+
+
+# --- KV-S: stride derivation (strides.py) ------------------------------------------
+
+
+def sliding_window_spec(base: Any, window: int) -> Any:
+    """A ``SlidingWindowSpec`` with ``base``'s geometry: a second cache group's spec."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    kwargs = {f.name: getattr(base, f.name) for f in dataclasses.fields(SlidingWindowSpec)
+              if f.init and f.name != "sliding_window" and hasattr(base, f.name)}
+    return SlidingWindowSpec(**kwargs, sliding_window=window)
+
+
+def enable_hybrid_kv_cache_manager(vllm_config: Any) -> bool:
+    """Let the planner keep different attention types in separate cache groups.
+
+    vllm-omni's diffusion config disables the hybrid manager, which folds every
+    layer into one group; False when the installed config has no such switch.
+    """
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    if scheduler_config is None or not hasattr(scheduler_config,
+                                               "disable_hybrid_kv_cache_manager"):
+        return False
+    scheduler_config.disable_hybrid_kv_cache_manager = False
+    return True
+
+
+def kv_cache_tensor(size: int, layers: Sequence[str], layer_stride: int, block_stride: int,
+                    offset: int = 0) -> Any:
+    """A ``KVCacheTensor`` with the given placement (e.g. the oracle's numbers)."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    return KVCacheTensor(size=size, layers=list(layers), layer_stride=layer_stride,
+                         block_stride=block_stride, offset=offset)
+
+
+def kv_cache_config(num_blocks: int, tensors: Sequence[Any],
+                    groups: Sequence[tuple[Sequence[str], Any]],
+                    layout_name: str | None = None) -> Any:
+    """A ``KVCacheConfig`` built by hand from tensors and ``(layer names, spec)`` groups."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=list(tensors),
+        kv_cache_groups=[KVCacheGroupSpec(list(names), spec) for names, spec in groups],
+    )
+    if layout_name is not None and hasattr(config, "kv_cache_layout"):
+        config.kv_cache_layout = layout_name
+    return config
+
+
+# --- layout clauses (KV-L3..KV-L8) ------------------------------------------------
+
+LAYOUT_ENV_VAR = "VLLM_KV_CACHE_LAYOUT"
+
+
+def layout_aliases() -> dict[str, str]:
+    """The legacy layout names upstream's ``CacheConfig`` accepts, alias -> canonical.
+
+    Read from vLLM itself (``vllm.config.cache._LAYOUT_COMPAT_ALIASES``), so the
+    suite asks vllm-omni for exactly what upstream promises users; empty when the
+    installed vLLM accepts no alias.
+    """
+    module = importlib.import_module("vllm.config.cache")
+    return dict(getattr(module, "_LAYOUT_COMPAT_ALIASES", {}) or {})
+
+
+def kv_cache_config_with_layout(name: str) -> Any:
+    """An empty ``KVCacheConfig`` stamped with a layout name, as the control plane sends it."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    config = KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
+    config.kv_cache_layout = name
+    return config
+
+
+def production_od_config(*, attention_backend: str | None = None, world_size: int = 1,
+                         max_model_len: int = -1) -> Any:
+    """The ``OmniDiffusionConfig`` of a paged diffusion model served with ``attention_backend``.
+
+    The backend is selected the way a user selects it
+    (``diffusion_attention_config.default.backend``), so a control plane that
+    consults the selected backend sees it.
+    """
+    from vllm_omni.diffusion.data import OmniDiffusionConfig, TransformerConfig
+    from vllm_omni.diffusion.diffusion_kv.config import DiffusionKVCacheMode
+
+    kwargs: dict[str, Any] = {
+        "diffusion_kv_mode": DiffusionKVCacheMode.PAGED_SCHEDULER,
+        "max_model_len": max_model_len,
+        "diffusion_kv_max_rows_per_request": 1,
+        "tf_model_config": TransformerConfig(params={
+            "max_position_embeddings": MODEL_SEQ_LIMIT, "model_type": _MODEL_TYPE}),
+    }
+    params = inspect.signature(OmniDiffusionConfig).parameters
+    if "num_gpus" in params:
+        kwargs["num_gpus"] = world_size
+    if attention_backend is not None and "diffusion_attention_config" in params:
+        kwargs["diffusion_attention_config"] = {"default": {"backend": attention_backend}}
+    return OmniDiffusionConfig(**kwargs)
+
+
+class _RecordingExecutor:
+    """The three executor calls the control plane makes, answered from fixed specs."""
+
+    def __init__(self, specs: list[dict[str, Any]], memory: list[int]) -> None:
+        self.specs = specs
+        self.memory = memory
+        self.worker_configs: list[Any] | None = None
+        self.max_model_len: int | None = None
+
+    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
+        return self.specs
+
+    def determine_available_kv_memory(self, profile_requests: Any) -> list[int]:
+        return self.memory
+
+    def set_kv_cache_configs(self, worker_configs: list[Any], max_model_len: int) -> None:
+        self.worker_configs = list(worker_configs)
+        self.max_model_len = max_model_len
+
+
+def run_production_control_plane(od_config: Any, specs: list[dict[str, Any]],
+                                 available_memory: list[int], device: str = "cpu",
+                                 ) -> tuple[Any, list[Any], Any]:
+    """Run ``initialize_diffusion_kv_control_plane`` against a recording executor.
+
+    Returns ``(vllm_config, worker configs the executor received, scheduler
+    config)``.  The profile request is opaque to the control plane (it only
+    hands it to the executor), so a placeholder stands in for it.
+    """
+    import torch
+
+    module = importlib.import_module("vllm_omni.diffusion.diffusion_kv.initialization")
+    control_plane = getattr(module, "initialize_diffusion_kv_control_plane", None)
+    if control_plane is None:
+        raise ClauseSkip("KV-L6", "installed vllm-omni has no "
+                         "initialize_diffusion_kv_control_plane", SkipKind.ENVIRONMENT)
+    executor = _RecordingExecutor(specs, available_memory)
+    result = control_plane(executor, od_config, profile_requests=[object()],
+                           device=torch.device(_device_type(device)))
+    if result is None:
+        raise ClauseSkip("KV-L6", "the control plane declined to run for a paged diffusion "
+                         "config (returned None)", SkipKind.ENVIRONMENT)
+    scheduler_config, vllm_config = result[0], result[-1]
+    return vllm_config, executor.worker_configs or [], scheduler_config
+
+
+# --- adoption (KV-A): the executor's wire and the sizing spy ----------------------
+
+EXECUTOR_RPC_METHOD = "set_kv_cache_configs"
+
+
+class _FrameSink:
+    """Stands in for the executor's zmq socket: keeps the frames ``enqueue`` sends."""
+
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+
+    def send_multipart(self, frames: Sequence[Any], copy: bool = True) -> None:
+        self.frames = list(frames)
+
+
+class _FrameSource:
+    """Stands in for a worker's zmq socket: hands ``MessageQueue.recv`` the frames."""
+
+    def __init__(self, frames: Sequence[bytes]) -> None:
+        self.frames = list(frames)
+
+    def poll(self, timeout: int | None = None) -> bool:
+        return True
+
+    def recv_multipart(self, copy: bool = True) -> list[bytes]:
+        return self.frames
+
+
+def executor_rpc_message(kv_cache_configs: Sequence[Any], max_model_len: int) -> dict[str, Any]:
+    """The envelope vllm-omni's multiproc executor broadcasts for ``set_kv_cache_configs``.
+
+    Every worker receives all rank-local configs and picks its own by rank, as
+    ``DiffusionWorker.set_kv_cache_configs`` does.
+    """
+    return {"type": "rpc", "method": EXECUTOR_RPC_METHOD,
+            "args": (list(kv_cache_configs), max_model_len), "kwargs": {},
+            "output_rank": 0, "exec_all_ranks": True, "collect_rank_status": True}
+
+
+def executor_wire_encode(obj: Any) -> tuple[list[bytes], str]:
+    """Serialise ``obj`` with the executor's own serialiser; returns (frames, how).
+
+    The executor's broadcast queue (vLLM's ``MessageQueue.enqueue``: pickle with
+    out-of-band buffers and a tensor reducer) is run as is, with a stand-in for
+    its remote socket, so the bytes are those a worker would receive.  Plain
+    highest-protocol pickle is the fallback where that queue cannot be driven.
+    """
+    import pickle
+    from types import SimpleNamespace
+
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+        sink = _FrameSink()
+        writer = SimpleNamespace(_is_writer=True, n_local_reader=0, n_remote_reader=1,
+                                 remote_socket=sink, local_socket=None)
+        MessageQueue.enqueue(writer, obj)
+        if sink.frames:
+            return [bytes(f) for f in sink.frames], "vllm MessageQueue.enqueue"
+    except (ImportError, AttributeError, TypeError):
+        pass
+    return [pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)], "pickle (fallback)"
+
+
+def executor_wire_decode(frames: Sequence[bytes]) -> Any:
+    """Deserialise frames the way a worker's queue does (``MessageQueue.recv``)."""
+    import pickle
+
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+        recv = MessageQueue.recv
+    except (ImportError, AttributeError):
+        return pickle.loads(frames[0], buffers=list(frames[1:]))
+    return recv(_FrameSource(frames), None)
+
+
+@contextlib.contextmanager
+def sizing_spy() -> Iterator[list[str | None]]:
+    """Record the layout pinned on the config each time the control plane sizes.
+
+    Wraps ``get_kv_cache_configs`` where vllm-omni's control plane looks it up
+    (its ``initialization`` module), restoring it on exit.  Empty when the
+    installed control plane sizes through another name.
+    """
+    module = importlib.import_module("vllm_omni.diffusion.diffusion_kv.initialization")
+    seen: list[str | None] = []
+    original = getattr(module, "get_kv_cache_configs", None)
+    if original is None:
+        yield seen
+        return
+
+    def spy(vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None))
+        return original(vllm_config, *args, **kwargs)
+
+    module.get_kv_cache_configs = spy
+    try:
+        yield seen
+    finally:
+        module.get_kv_cache_configs = original
+
+
+def device_free_memory(device: str) -> int | None:
+    """Free bytes on a CUDA device (None on CPU), for KV-A6's sizing."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return None
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)

@@ -8,7 +8,7 @@ no test is added.  Everything heavy is imported lazily by :class:`KvSession`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -42,7 +42,8 @@ def pytest_configure(config: pytest.Config) -> None:
     options = Options.from_config(config)
     if not options.enabled:
         return
-    config.addinivalue_line("markers", "kv_clause(id): the contract clause a test checks")
+    config.addinivalue_line("markers", "kv_cases(predicate): select the spec cases a suite "
+                            "test is parametrised with (predicate(case) -> bool)")
     _add_suite(config)
     from pytest_kvconform.session import KvSession
 
@@ -72,3 +73,66 @@ def kv_device(request: pytest.FixtureRequest) -> str:
     return kv_session(request.config).device
 
 
+
+
+# --- adoption fixtures (KV-A): thin; the work is in control_plane.py and workers.py -----
+
+
+@pytest.fixture(scope="session")
+def kv_control_plane(request: pytest.FixtureRequest, kv_device: str) -> Any:
+    """Factory: ``kv_control_plane(backend_or_need, case, world_size=None)``.
+
+    Runs the production control plane for a backend's declared need (or an
+    explicit bool) and returns a ``ControlPlane``: ``.rank_configs`` (rank-local
+    ``KVCacheConfig``s), ``.scheduler_config``, ``.pinned`` (the layout name).
+    """
+    from pytest_kvconform.checks.common import declared_need
+    from pytest_kvconform.control_plane import build_control_plane
+
+    def build(source: Any, case: Any, world_size: int | None = None) -> Any:
+        need = source if isinstance(source, bool) else declared_need("KV-A1", source)
+        return build_control_plane(need, case, world_size=world_size, device=kv_device)
+
+    return build
+
+
+class KvWorkers:
+    """``kv_workers(n)``: n pooled worker processes, one per device, rank order.
+
+    Each ``adopt_and_init`` starts from the worker's own fresh, unpinned config.
+    ``for_world_size(n)`` returns the reason (a str) instead of skipping.
+    """
+
+    def __init__(self, device: str, gpu_ids: list[str]) -> None:
+        self.device = device
+        self.gpu_ids = gpu_ids
+
+    def for_world_size(self, n: int) -> Any:
+        from pytest_kvconform import workers
+        from pytest_kvconform.devices import devices_for_world_size
+
+        devices = devices_for_world_size(n, self.device, self.gpu_ids)
+        return devices if isinstance(devices, str) else workers.pool().get(devices)
+
+    def prestart(self, n: int) -> None:
+        """Start up to n workers now, so their ~20 s imports overlap other work."""
+        from pytest_kvconform import workers
+        from pytest_kvconform.devices import devices_for_world_size
+
+        for size in range(n, 0, -1):
+            devices = devices_for_world_size(size, self.device, self.gpu_ids)
+            if not isinstance(devices, str):
+                workers.pool().prestart(devices)
+                return
+
+    def __call__(self, n: int = 1) -> Any:
+        handles = self.for_world_size(n)
+        if isinstance(handles, str):
+            pytest.skip(handles)
+        return handles
+
+
+@pytest.fixture(scope="session")
+def kv_workers(request: pytest.FixtureRequest, kv_device: str) -> KvWorkers:
+    """Factory of pooled worker processes (see :class:`KvWorkers`)."""
+    return KvWorkers(kv_device, list(kv_session(request.config).gpu_ids))

@@ -36,10 +36,23 @@ class KvSession:
         self.device = "cpu"
         self.gpu_ids: list[str] = []
         self._setup_device()
+        from pytest_kvconform import workers
+
+        workers.hold()  # the KV-A worker pool lives until pytest_unconfigure
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        """Close the KV-A worker pool (unless a pytester-hosting test still holds it)."""
+        from pytest_kvconform import workers
+
+        workers.release()
 
     # -- set-up -----------------------------------------------------------------
 
     def _setup_device(self) -> None:
+        import os
+
+        # vLLM logs every config it builds at INFO; the suite builds hundreds.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from pytest_kvconform import devices
 
         try:
@@ -51,8 +64,6 @@ class KvSession:
             self.device = devices.apply_worker_device(workerinput)
             self.gpu_ids = list(workerinput.get("kvconform_gpu_ids") or [])
         else:
-            import os
-
             self.gpu_ids = devices.visible_gpu_ids(os.environ,
                                                    devices.count_gpus_without_cuda_init)
             try:

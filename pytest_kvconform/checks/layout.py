@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from pytest_kvconform import compat
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from pytest_kvconform import compat, oracle
 from pytest_kvconform.checks.common import backend_class, cuda_init_recorder, declared_need
-from pytest_kvconform.checks.errors import ClauseFailure
-from pytest_kvconform.model import BackendUnderTest
+from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind
+from pytest_kvconform.model import BackendUnderTest, Case
 
 DEFAULT_LAYOUT = "LBNHC"
 _CALLS = 3
@@ -79,3 +84,376 @@ def check_kv_l2(backend: BackendUnderTest) -> None:
     if got is not compat.layout(name):
         raise ClauseFailure(clause, "get_resolved_kv_cache_layout() disagrees with the recorded "
                             "name", backend=backend.name, expected=name, actual=got)
+
+
+# --- KV-L3 .. KV-L8 -------------------------------------------------------------
+
+# The control plane's probe model (KV-L6): which layout gets pinned is the point,
+# not sizing, which KV-S and KV-N cover.
+_PROBE_CASE = Case(id="kv_l6_probe", file="<kv_l6>")
+_PROBE_PAGES = 16
+# VLLM_KV_CACHE_LAYOUT values per need: (consistent, contradicting).  The
+# consistent one is never the resolver's default for that need, so a variable
+# that is silently ignored cannot pass by coincidence.
+_ENV_PICKS = {False: ("LBHNC", "BLNHC"), True: ("BLHNC", "LBNHC")}
+
+# (detail, expected, actual) of one thing that went wrong.
+Problem = tuple[str, object, object]
+
+
+def layouts_for(need: bool, *, consistent: bool) -> list[str]:
+    """The layouts whose block-outermost-ness (per the oracle) matches or contradicts ``need``."""
+    return [name for name in compat.LAYOUT_NAMES
+            if (oracle.is_block_outermost(name) == need) is consistent]
+
+
+def _name(layout: Any) -> Any:
+    return getattr(layout, "name", layout)
+
+
+def _config(pinned: str | None) -> Any:
+    """A fresh ``VllmConfig``, its ``CacheConfig`` pinned to ``pinned`` as a user would."""
+    vllm_config = compat.plain_vllm_config()
+    if pinned is not None:
+        vllm_config.cache_config.kv_cache_layout = pinned
+    return vllm_config
+
+
+def _resolve(vllm_config: Any, need: bool, required: Any = None) -> Any:
+    return compat.resolve_diffusion_layout(vllm_config, indexes_kv_by_block_stride=need,
+                                           required_layout=required)
+
+
+def _raised(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):
+        return f"raised a bare KeyError({exc})"
+    return f"raised {type(exc).__name__}: {exc}"
+
+
+def _kept_problem(call: Callable[[], Any], vllm_config: Any, expected: str,
+                  recorded: tuple[str, ...]) -> Problem | None:
+    """None when ``call()`` returns ``expected`` and the config records one of ``recorded``."""
+    try:
+        got = call()
+    except Exception as exc:
+        return f"refused it and {_raised(exc)}", expected, repr(exc)
+    if _name(got) != expected:
+        return "returned another layout", expected, _name(got)
+    after = vllm_config.cache_config.kv_cache_layout
+    if after not in recorded:
+        return "changed CacheConfig.kv_cache_layout", recorded[0], after
+    return None
+
+
+def _refusal_problem(call: Callable[[], Any], vllm_config: Any,
+                     names: tuple[str, ...]) -> Problem | None:
+    """None when ``call()`` raises ValueError naming one of ``names``, config untouched."""
+    before = vllm_config.cache_config.kv_cache_layout
+    expected = f"ValueError naming {names[0]}, CacheConfig.kv_cache_layout left {before!r}"
+    try:
+        got = call()
+    except ValueError as exc:
+        after = vllm_config.cache_config.kv_cache_layout
+        if after != before:
+            return "raised but changed CacheConfig.kv_cache_layout", before, after
+        if not any(name in str(exc) for name in names):
+            return "raised a ValueError that does not name the layout", expected, str(exc)
+        return None
+    except Exception as exc:
+        return f"{_raised(exc)} instead of a ValueError naming the layout", expected, repr(exc)
+    after = vllm_config.cache_config.kv_cache_layout
+    return (f"accepted it: returned {_name(got)}, CacheConfig.kv_cache_layout={after!r}",
+            expected, _name(got))
+
+
+def _fail(clause: str, backend: BackendUnderTest, what: str, problem: Problem,
+          layout: str | None) -> ClauseFailure:
+    detail, expected, actual = problem
+    return ClauseFailure(clause, f"{what}, but resolution {detail}", backend=backend.name,
+                         layout=layout, expected=expected, actual=actual)
+
+
+def _fail_all(clause: str, backend: BackendUnderTest,
+              problems: list[tuple[str, str, Problem]]) -> None:
+    """One failure naming every sub-scenario that went wrong (first one's expected/actual)."""
+    if not problems:
+        return
+    lines = [f"{what}, but it {problem[0]}" for _, what, problem in problems]
+    layout, _, (_, expected, actual) = problems[0]
+    raise ClauseFailure(clause, "; ".join(lines), backend=backend.name, layout=layout,
+                        expected=expected, actual=actual)
+
+
+def check_kv_l3(backend: BackendUnderTest) -> None:
+    """KV-L3: consistent pinned / connector-required layouts are kept, idempotently."""
+    clause = "KV-L3"
+    compat.require_omni(clause)
+    need = declared_need(clause, backend)
+    for name in layouts_for(need, consistent=True):
+        member = compat.layout(name)
+        pinned, required, both = _config(name), _config(None), _config(name)
+        scenarios = (
+            (f"pinned layout {name} (consistent with the backend)", pinned, None),
+            (f"pinned layout {name}, resolved a second time (idempotence)", pinned, None),
+            (f"connector-required layout {name} (consistent with the backend)", required, member),
+            (f"connector-required layout {name}, resolved a second time (idempotence)",
+             required, member),
+            (f"pinned layout {name} equal to the connector's requirement", both, member),
+        )
+        for what, vllm_config, req in scenarios:
+            problem = _kept_problem(partial(_resolve, vllm_config, need, req), vllm_config,
+                                    name, (name,))
+            if problem is not None:
+                raise _fail(clause, backend, what, problem, name)
+
+
+def check_kv_l4(backend: BackendUnderTest) -> None:
+    """KV-L4: a contradictory pinned / connector-required layout raises, config untouched."""
+    clause = "KV-L4"
+    compat.require_omni(clause)
+    need = declared_need(clause, backend)
+    for name in layouts_for(need, consistent=False):
+        pinned, required = _config(name), _config(None)
+        scenarios = (
+            (f"pinned layout {name} contradicts indexes_kv_by_block_stride()={need}",
+             pinned, None),
+            (f"connector-required layout {name} contradicts indexes_kv_by_block_stride()={need}",
+             required, compat.layout(name)),
+        )
+        for what, vllm_config, req in scenarios:
+            problem = _refusal_problem(partial(_resolve, vllm_config, need, req), vllm_config,
+                                       (name,))
+            if problem is not None:
+                raise _fail(clause, backend, what, problem, name)
+
+
+def check_kv_l5(backend: BackendUnderTest) -> None:
+    """KV-L5: the backend-layout assertion: silent unresolved, passes consistent, raises else."""
+    clause = "KV-L5"
+    compat.require_omni(clause)
+    cls = backend_class(clause, backend)
+    need = declared_need(clause, backend)
+    unresolved = _config(None)
+    try:
+        compat.assert_backend_layout_supported(unresolved, cls)
+    except Exception as exc:
+        raise ClauseFailure(clause, "assert_backend_layout_supported raised while the layout is "
+                            "unresolved (a worker not yet told the layout must not crash): "
+                            f"{exc!r}", backend=backend.name, expected="silence",
+                            actual=repr(exc)) from exc
+    if unresolved.cache_config.kv_cache_layout is not None:
+        raise ClauseFailure(clause, "assert_backend_layout_supported pinned a layout on an "
+                            "unresolved config; the worker would then disagree with the control "
+                            "plane", backend=backend.name, expected=None,
+                            actual=unresolved.cache_config.kv_cache_layout)
+    for name in layouts_for(need, consistent=True):
+        try:
+            compat.assert_backend_layout_supported(_config(name), cls)
+        except Exception as exc:
+            raise ClauseFailure(clause, f"assert_backend_layout_supported raised for layout {name}"
+                                f", which is consistent with indexes_kv_by_block_stride()={need}",
+                                backend=backend.name, layout=name, expected="silence",
+                                actual=repr(exc)) from exc
+    for name in layouts_for(need, consistent=False):
+        try:
+            compat.assert_backend_layout_supported(_config(name), cls)
+        except ValueError:
+            continue
+        except Exception as exc:
+            raise ClauseFailure(clause, f"assert_backend_layout_supported {_raised(exc)} for "
+                                f"contradictory layout {name}", backend=backend.name,
+                                layout=name, expected="ValueError", actual=repr(exc)) from exc
+        raise ClauseFailure(clause, f"assert_backend_layout_supported stayed silent for layout "
+                            f"{name}, which contradicts indexes_kv_by_block_stride()={need}",
+                            backend=backend.name, layout=name, expected="ValueError",
+                            actual="no exception")
+
+
+def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
+    """KV-L6: what the production control plane pins satisfies the backend's need.
+
+    The control plane runs as the engine runs it, for a paged model whose
+    attention backend is selected through ``diffusion_attention_config``;
+    only the executor is a stand-in (it reports fixed specs and memory).
+    """
+    clause = "KV-L6"
+    compat.require_omni(clause)
+    need = declared_need(clause, backend)
+    case = _PROBE_CASE
+    specs = compat.worker_specs(case)
+    page = compat.page_bytes(next(iter(specs[0].values())))
+    memory = [page * case.num_layers * _PROBE_PAGES] * case.world_size
+    od_config = compat.production_od_config(attention_backend=backend.name,
+                                            world_size=case.world_size)
+    try:
+        vllm_config, worker_configs, scheduler_config = compat.run_production_control_plane(
+            od_config, specs, memory, device)
+    except ClauseSkip:
+        raise
+    except Exception as exc:
+        raise ClauseFailure(clause, "the production control plane failed for a paged model "
+                            f"served with this backend: {exc!r}", backend=backend.name) from exc
+    pinned = vllm_config.cache_config.kv_cache_layout
+    if pinned is None:
+        raise ClauseFailure(clause, "the control plane recorded no layout on "
+                            "CacheConfig.kv_cache_layout", backend=backend.name,
+                            expected="a layout name", actual=None)
+    sent = [getattr(c, "kv_cache_layout", None) for c in (*worker_configs, scheduler_config)]
+    if not worker_configs or any(name != pinned for name in sent):
+        raise ClauseFailure(clause, "the layout handed to the workers / scheduler is not the one "
+                            "the control plane pinned", backend=backend.name, layout=pinned,
+                            expected=pinned, actual=sent)
+    canonical = compat.layout_aliases().get(pinned, pinned)
+    if oracle.is_block_outermost(canonical) == need:
+        return
+    _, call_kwargs = compat.production_control_plane_call()
+    if need and "indexes_kv_by_block_stride" not in call_kwargs:
+        detail = ("the control plane never receives indexes_kv_by_block_stride; pinned "
+                  f"{pinned} for a backend that needs a block-outermost layout "
+                  "(initialize_diffusion_kv_control_plane calls build_native_kv_cache_configs "
+                  "without the backend's flag, so its kernel would read K/V at the wrong "
+                  "offsets)")
+    else:
+        detail = (f"the production control plane pinned {pinned} (is_block_outermost="
+                  f"{not need}) for a backend declaring indexes_kv_by_block_stride()={need}")
+    raise ClauseFailure(clause, detail, backend=backend.name, layout=pinned,
+                        expected="a block-outermost layout" if need else
+                        "a layer-outermost layout", actual=pinned)
+
+
+def check_kv_l7(backend: BackendUnderTest, device: str = "cpu") -> None:
+    """KV-L7: the paged read path; needs the backend's kernel device."""
+    clause = "KV-L7"
+    cls = backend_class(clause, backend)
+    if not getattr(cls, "supports_paged_kv", False):
+        raise ClauseSkip(clause, "the backend does not declare supports_paged_kv; it has no "
+                         "paged read path", SkipKind.NOT_APPLICABLE)
+    if not device.startswith("cuda"):
+        raise ClauseSkip(clause, "needs the backend's kernel device (CUDA)", SkipKind.HARDWARE)
+    # Not HARDWARE: the device is here, so strict qualification must not count this as covered.
+    raise ClauseSkip(clause, "the paged read-path comparison is not implemented on this version "
+                     "of pytest-kvconform", SkipKind.ENVIRONMENT)
+
+
+def check_kv_l8_canonical(backend: BackendUnderTest) -> None:
+    """KV-L8: each canonical layout name a user pins is honoured or refused clearly."""
+    clause = "KV-L8"
+    compat.require_omni(clause)
+    need = declared_need(clause, backend)
+    problems: list[tuple[str, str, Problem]] = []
+    for name in compat.LAYOUT_NAMES:
+        vllm_config = _config(name)
+        call = partial(_resolve, vllm_config, need)
+        if oracle.is_block_outermost(name) == need:
+            what = f"user-pinned CacheConfig.kv_cache_layout={name!r} must be honoured"
+            problem = _kept_problem(call, vllm_config, name, (name,))
+        else:
+            what = (f"user-pinned CacheConfig.kv_cache_layout={name!r} contradicts the backend "
+                    "and must be refused with a ValueError naming it")
+            problem = _refusal_problem(call, vllm_config, (name,))
+        if problem is not None:
+            problems.append((name, what, problem))
+    _fail_all(clause, backend, problems)
+
+
+def check_kv_l8_alias(backend: BackendUnderTest) -> None:
+    """KV-L8: the legacy aliases upstream accepts (NHD, HND) are honoured or refused clearly."""
+    clause = "KV-L8"
+    compat.require_omni(clause)
+    need = declared_need(clause, backend)
+    aliases = compat.layout_aliases()
+    if not aliases:
+        raise ClauseSkip(clause, "installed vLLM accepts no legacy layout alias",
+                         SkipKind.NOT_APPLICABLE)
+    problems: list[tuple[str, str, Problem]] = []
+    for alias, canonical in aliases.items():
+        vllm_config = _config(alias)
+        call = partial(_resolve, vllm_config, need)
+        if oracle.is_block_outermost(canonical) == need:
+            what = (f"user-pinned CacheConfig.kv_cache_layout={alias!r} (upstream's legacy alias "
+                    f"for {canonical}) must be honoured as {canonical}")
+            problem = _kept_problem(call, vllm_config, canonical, (alias, canonical))
+        else:
+            what = (f"user-pinned CacheConfig.kv_cache_layout={alias!r} (upstream's legacy alias "
+                    f"for {canonical}) contradicts the backend and must be refused with a "
+                    "ValueError naming it")
+            problem = _refusal_problem(call, vllm_config, (alias, canonical))
+        if problem is not None:
+            problems.append((alias, what, problem))
+    _fail_all(clause, backend, problems)
+
+
+def check_kv_l8_worker_alias(backend: BackendUnderTest) -> None:
+    """KV-L8: a worker pinned to an alias of the control plane's layout agrees with it."""
+    clause = "KV-L8"
+    compat.require_omni(clause)
+    need = declared_need(clause, backend)
+    aliases = compat.layout_aliases()
+    usable = {a: c for a, c in aliases.items() if oracle.is_block_outermost(c) == need}
+    if not usable:
+        listing = ", ".join(f"{a}->{c}" for a, c in aliases.items()) or "none"
+        raise ClauseSkip(clause, "no legacy alias names a layout consistent with this backend "
+                         f"(aliases: {listing}), so no control plane pins one",
+                         SkipKind.NOT_APPLICABLE)
+    problems: list[tuple[str, str, Problem]] = []
+    for alias, canonical in usable.items():
+        worker = _config(alias)
+        sent = compat.kv_cache_config_with_layout(canonical)
+        what = (f"a worker whose CacheConfig.kv_cache_layout={alias!r} (alias of {canonical}) "
+                f"must adopt the control plane's {canonical!r}")
+        problem = _kept_problem(partial(compat.adopt_layout, worker, sent), worker, canonical,
+                                (alias, canonical))
+        if problem is None:
+            got = worker.cache_config.get_resolved_kv_cache_layout()
+            if _name(got) != canonical:
+                problem = ("left get_resolved_kv_cache_layout() at another layout", canonical,
+                           _name(got))
+        if problem is not None:
+            problems.append((alias, what, problem))
+    _fail_all(clause, backend, problems)
+
+
+def _env_problem(need: bool, value: str, consistent: bool, device: str) -> Problem | None:
+    """Resolve a production config built under ``VLLM_KV_CACHE_LAYOUT=value``."""
+    var = compat.LAYOUT_ENV_VAR
+    expected = value if consistent else f"ValueError naming {value} or {var}"
+    with compat.env_var(var, value):
+        try:
+            vllm_config = compat.production_vllm_config(device)
+            got = _resolve(vllm_config, need)
+        except ValueError as exc:
+            if consistent:
+                return "was refused although it is consistent", expected, repr(exc)
+            if value not in str(exc) and var not in str(exc):
+                return "was refused by a ValueError naming neither it nor the variable", \
+                    expected, str(exc)
+            return None
+        except Exception as exc:
+            return f"{_raised(exc)}", expected, repr(exc)
+    recorded = vllm_config.cache_config.kv_cache_layout
+    if consistent and _name(got) == value and recorded == value:
+        return None
+    return (f"was silently ignored: diffusion resolution pinned {recorded} "
+            f"(returned {_name(got)})", expected, _name(got))
+
+
+def check_kv_l8_env(backend: BackendUnderTest, device: str = "cpu") -> None:
+    """KV-L8: ``VLLM_KV_CACHE_LAYOUT`` is honoured when consistent, refused when not."""
+    clause = "KV-L8"
+    compat.require_omni(clause)
+    need = declared_need(clause, backend)
+    var = compat.LAYOUT_ENV_VAR
+    before = os.environ.get(var)
+    problems: list[tuple[str, str, Problem]] = []
+    consistent_value, contradicting_value = _ENV_PICKS[need]
+    for value, consistent in ((consistent_value, True), (contradicting_value, False)):
+        relation = "consistent with" if consistent else "contradicts"
+        what = (f"{var}={value} ({relation} indexes_kv_by_block_stride()={need}) must be "
+                + ("honoured" if consistent else "refused with a ValueError"))
+        problem = _env_problem(need, value, consistent, device)
+        if problem is not None:
+            problems.append((value, what, problem))
+    if os.environ.get(var) != before:
+        problems.append(("", f"{var} leaked out of the check",
+                         ("was not restored", before, os.environ.get(var))))
+    _fail_all(clause, backend, problems)

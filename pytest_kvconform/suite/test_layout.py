@@ -17,3 +17,52 @@ def test_kv_l1(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> 
 def test_kv_l2(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
     """KV-L2 resolution."""
     run_check(request, layout.check_kv_l2, kv_backend)
+
+
+def test_kv_l3(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
+    """KV-L3 precedence: every consistent layout, pinned or connector-required."""
+    run_check(request, layout.check_kv_l3, kv_backend)
+
+
+def test_kv_l4(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
+    """KV-L4 contradiction: every contradictory layout, pinned or connector-required."""
+    run_check(request, layout.check_kv_l4, kv_backend)
+
+
+def test_kv_l5(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
+    """KV-L5 enforcement by assert_backend_layout_supported."""
+    run_check(request, layout.check_kv_l5, kv_backend)
+
+
+def test_kv_l6(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
+               kv_device: str) -> None:
+    """KV-L6 production wiring: the control plane's pinned layout."""
+    run_check(request, layout.check_kv_l6, kv_backend, kv_device)
+
+
+def test_kv_l7(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
+               kv_device: str) -> None:
+    """KV-L7 paged read path (CUDA)."""
+    run_check(request, layout.check_kv_l7, kv_backend, kv_device)
+
+
+def test_kv_l8_canonical(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
+    """KV-L8 canonical layout names pinned by the user."""
+    run_check(request, layout.check_kv_l8_canonical, kv_backend)
+
+
+def test_kv_l8_alias(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
+    """KV-L8 legacy aliases (NHD, HND) pinned on the control plane."""
+    run_check(request, layout.check_kv_l8_alias, kv_backend)
+
+
+def test_kv_l8_worker_alias(request: pytest.FixtureRequest,
+                            kv_backend: BackendUnderTest) -> None:
+    """KV-L8 a worker pinned to an alias of the control plane's layout."""
+    run_check(request, layout.check_kv_l8_worker_alias, kv_backend)
+
+
+def test_kv_l8_env(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
+                   kv_device: str) -> None:
+    """KV-L8 VLLM_KV_CACHE_LAYOUT, consistent and contradicting."""
+    run_check(request, layout.check_kv_l8_env, kv_backend, kv_device)

@@ -1,0 +1,56 @@
+"""KV-S: stride derivation, per layout x spec case."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_kvconform.checks import strides
+from pytest_kvconform.model import Case
+from pytest_kvconform.suite.runner import run_check
+
+
+def _plain(case: Case) -> bool:
+    """One rank, one group, no padding: the cases every layout must lay out."""
+    return case.world_size == 1 and case.num_groups == 1 and case.page_size_padded is None
+
+
+def _dense(case: Case) -> bool:
+    return _plain(case) and case.kernel_block_size is None
+
+
+def _split_or_padded(case: Case) -> bool:
+    return case.world_size == 1 and case.num_groups == 1 and (
+        case.kernel_block_size is not None or case.page_size_padded is not None)
+
+
+@pytest.mark.kv_cases.with_args(_plain)
+def test_kv_s1(request: pytest.FixtureRequest, kv_layout: str, kv_case: Case) -> None:
+    """KV-S1 production KVCacheTensor == oracle."""
+    run_check(request, strides.check_kv_s1, kv_layout, kv_case)
+
+
+@pytest.mark.kv_cases.with_args(_dense)
+def test_kv_s2(request: pytest.FixtureRequest, kv_layout: str, kv_case: Case,
+               kv_device: str) -> None:
+    """KV-S2 every view byte at the oracle address."""
+    run_check(request, strides.check_kv_s2, kv_layout, kv_case, kv_device)
+
+
+@pytest.mark.kv_cases.with_args(_plain)
+def test_kv_s3(request: pytest.FixtureRequest, kv_layout: str, kv_case: Case) -> None:
+    """KV-S3 block- vs layer-outermost packing."""
+    run_check(request, strides.check_kv_s3, kv_layout, kv_case)
+
+
+@pytest.mark.kv_cases.with_args(_split_or_padded)
+def test_kv_s4(request: pytest.FixtureRequest, kv_layout: str, kv_case: Case,
+               kv_device: str) -> None:
+    """KV-S4 kernel-block splitting and padded pages."""
+    run_check(request, strides.check_kv_s4, kv_layout, kv_case, kv_device)
+
+
+@pytest.mark.kv_cases(lambda case: case.world_size == 1 and case.num_groups > 1)
+def test_kv_s5(request: pytest.FixtureRequest, kv_layout: str, kv_case: Case,
+               kv_device: str) -> None:
+    """KV-S5 several cache groups: one group's layers never alias."""
+    run_check(request, strides.check_kv_s5, kv_layout, kv_case, kv_device)

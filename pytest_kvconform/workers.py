@@ -1,0 +1,492 @@
+"""Spawned worker processes for the adoption clauses (KV-A): pool, pipe protocol, child loop.
+
+A worker is a real process started with the ``spawn`` method, as vllm-omni's
+multiproc executor starts its workers, so nothing pinned in the test process
+leaks into it.  Importing vLLM / vllm-omni costs ~20 s, so workers are pooled
+per (device, slot) and reused for the whole session; a dead worker is replaced
+on the next request, and the request that saw it die raises :class:`WorkerDied`
+carrying the tail of its stderr.
+
+Protocol: one dict per message over a ``multiprocessing.Pipe``; the child answers
+``{"ok": True, "result": ...}`` or ``{"ok": False, "error": ..., "traceback": ...}``.
+Commands: ``ping``, ``adopt_and_init``, ``write_pattern``, ``read_back``,
+``free_memory``, ``release``, ``shutdown`` (and ``crash``, for the harness's tests).
+
+Seeded faults reach the child through the command, not through monkeypatching
+(which a spawned child never sees): the parent forwards ``$KVCONFORM_WORKER_FAULT``
+(``skip_adoption`` or ``wrong_offset``) with every command.
+
+Stdlib only at import (numpy, torch and ``compat`` are imported where used).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+FAULT_ENV = "KVCONFORM_WORKER_FAULT"
+FAULTS = ("skip_adoption", "wrong_offset")
+# What a suite worker imports before it reports ready: the cost is paid once, at start-up.
+PRELOAD: tuple[str, ...] = (
+    "pytest_kvconform.compat",
+    "vllm_omni.diffusion.vllm_config",
+    "vllm_omni.diffusion.diffusion_kv.layout",
+    "vllm.distributed.device_communicators.shm_broadcast",
+    "vllm.v1.worker.gpu.attn_utils",
+)
+STARTUP_TIMEOUT_S = 300.0
+COMMAND_TIMEOUT_S = 120.0
+_STDERR_TAIL_CHARS = 4000
+
+
+class WorkerError(RuntimeError):
+    """A worker could not answer: it died, timed out, or its command raised."""
+
+
+class WorkerDied(WorkerError):
+    """The worker process exited; the message carries its exit code and stderr tail."""
+
+
+class WorkerCommandError(WorkerError):
+    """The command raised inside the worker; the message carries the child's traceback."""
+
+
+# --- the pattern both sides agree on -------------------------------------------------
+
+
+def page_pattern(layer: int, block: int, rank: int, shape: Sequence[int]) -> Any:
+    """uint8 bytes for one (layer, block) page, shaped ``[H, N, C bytes]``.
+
+    Never zero (so a missing write shows), different per page, rank and cell
+    position (so a swapped page, rank or axis shows).
+    """
+    import numpy as np
+
+    h, n, c = np.indices(tuple(shape), dtype=np.int64)
+    tag = layer * 1_000_003 + block * 7_919 + rank * 104_729
+    return ((tag + h * 131 + n * 37 + c * 7) % 255 + 1).astype(np.uint8)
+
+
+def config_summary(config: Any) -> dict[str, Any]:
+    """The fields of a ``KVCacheConfig`` that adoption depends on, as plain values."""
+    tensors = [
+        {"size": t.size, "layers": list(getattr(t, "layers", []) or []),
+         "layer_stride": getattr(t, "layer_stride", None),
+         "block_stride": getattr(t, "block_stride", None), "offset": getattr(t, "offset", None)}
+        for t in config.kv_cache_tensors
+    ]
+    groups = [{"layer_names": list(g.layer_names), "spec": repr(g.kv_cache_spec)}
+              for g in config.kv_cache_groups]
+    return {"num_blocks": config.num_blocks,
+            "kv_cache_layout": getattr(config, "kv_cache_layout", None),
+            "kv_cache_tensors": tensors, "kv_cache_groups": groups}
+
+
+# --- parent side ---------------------------------------------------------------------
+
+
+class WorkerHandle:
+    """The parent's end of one worker process."""
+
+    def __init__(self, key: tuple[str, int], *, preload: Sequence[str], workdir: str) -> None:
+        self.key = key
+        self.device = key[0]
+        self.stderr_path = os.path.join(workdir, f"worker-{key[0].replace(':', '_')}-{key[1]}.log")
+        ctx = multiprocessing.get_context("spawn")
+        self.start_method = ctx.get_start_method()
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=_worker_main, args=(child_conn, self.device, self.stderr_path, tuple(preload)),
+            name=f"kvconform-worker-{key[0]}-{key[1]}", daemon=True)
+        self.process.start()
+        child_conn.close()
+        self.ready = False
+        self.info: dict[str, Any] = {}
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def __repr__(self) -> str:
+        return f"<worker {self.device} slot {self.key[1]} pid {self.pid}>"
+
+    # -- messaging --
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> dict[str, Any]:
+        if not self.ready:
+            self.info = self._receive("start-up", timeout)
+            self.ready = True
+        return self.info
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.wait_ready()
+        message = {**message, "fault": os.environ.get(FAULT_ENV) or None}
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, EOFError, OSError):
+            raise self._died(f"while sending {message['cmd']!r}") from None
+
+    def receive(self, what: str, timeout: float = COMMAND_TIMEOUT_S) -> Any:
+        return self._receive(what, timeout)
+
+    def request(self, cmd: str, timeout: float = COMMAND_TIMEOUT_S, **fields: Any) -> Any:
+        self.send({"cmd": cmd, **fields})
+        return self.receive(cmd, timeout)
+
+    def _receive(self, what: str, timeout: float) -> Any:
+        ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], timeout)
+        if self.conn in ready:
+            try:
+                reply = self.conn.recv()
+            except (EOFError, OSError):
+                raise self._died(f"during {what!r}") from None
+            if not reply.get("ok"):
+                raise WorkerCommandError(
+                    f"{self!r}: {what!r} raised {reply.get('error')}\n"
+                    f"--- worker traceback ---\n{reply.get('traceback', '')}")
+            return reply.get("result")
+        if not ready:
+            self.kill()
+            raise WorkerError(f"{self!r} did not answer {what!r} within {timeout:.0f}s and was "
+                              f"killed\n--- worker stderr (tail) ---\n{self.stderr_tail()}")
+        raise self._died(f"during {what!r}")
+
+    def _died(self, when: str) -> WorkerDied:
+        self.process.join(5)
+        return WorkerDied(f"{self!r} died {when} (exit code {self.process.exitcode})\n"
+                          f"--- worker stderr (tail) ---\n{self.stderr_tail()}")
+
+    def stderr_tail(self, chars: int = _STDERR_TAIL_CHARS) -> str:
+        try:
+            with open(self.stderr_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - chars))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return "(no stderr captured)"
+
+    # -- commands --
+
+    def ping(self) -> dict[str, Any]:
+        return dict(self.request("ping"))
+
+    def adopt_and_init(self, frames: Sequence[bytes], rank: int, *, need: bool | None = None,
+                       skip_adoption: bool = False, prepin: str | None = None) -> dict[str, Any]:
+        """Receive the executor's frames, pick ``rank``'s config, adopt it, ``init_kv_cache``.
+
+        ``skip_adoption`` and ``prepin`` (a layout name pinned on the worker's own
+        config first) are KV-A4's negative controls.  Returns the worker's report.
+        """
+        self.send_adopt(frames, rank, need=need, skip_adoption=skip_adoption, prepin=prepin)
+        return dict(self.receive("adopt_and_init"))
+
+    def send_adopt(self, frames: Sequence[bytes], rank: int, *, need: bool | None = None,
+                   skip_adoption: bool = False, prepin: str | None = None) -> None:
+        self.send({"cmd": "adopt_and_init", "frames": list(frames), "rank": rank, "need": need,
+                   "skip_adoption": skip_adoption, "prepin": prepin})
+
+    def write_pattern(self, pages: Iterable[tuple[int, int]], rank: int = 0) -> None:
+        """Write :func:`page_pattern` into each (layer index, block) page through the views."""
+        self.request("write_pattern", pages=[tuple(p) for p in pages], rank=rank)
+
+    def read_back(self, regions: Iterable[tuple[int, int]]) -> list[bytes]:
+        """Bytes of the backing allocation at each (start, nbytes) region."""
+        return list(self.request("read_back", regions=[tuple(r) for r in regions]))
+
+    def free_memory(self) -> int | None:
+        return self.request("free_memory")  # type: ignore[no-any-return]
+
+    def release(self) -> None:
+        """Drop the worker's allocation (and, on CUDA, return it to the driver)."""
+        self.request("release")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ask the worker to exit; terminate, then kill, if it does not."""
+        if self.alive and self.ready:
+            with contextlib.suppress(Exception):
+                self.conn.send({"cmd": "shutdown"})
+            self.process.join(timeout)
+        self.kill()
+        self.conn.close()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(2)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(2)
+
+
+def broadcast_adopt(handles: Sequence[WorkerHandle], frames: Sequence[bytes], **options: Any,
+                    ) -> list[dict[str, Any]]:
+    """Send the same frames to every rank at once (as the executor does), then collect."""
+    for rank, handle in enumerate(handles):
+        handle.send_adopt(frames, rank, **options)
+    return [dict(handle.receive("adopt_and_init")) for handle in handles]
+
+
+class WorkerPool:
+    """Workers keyed by (device, slot): slot i is the i-th rank placed on that device."""
+
+    def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
+        self.preload = tuple(preload)
+        self.workdir = tempfile.mkdtemp(prefix="kvconform-workers-")
+        self.workers: dict[tuple[str, int], WorkerHandle] = {}
+        self.replaced = 0
+
+    @staticmethod
+    def keys(devices: Sequence[str]) -> list[tuple[str, int]]:
+        seen: dict[str, int] = {}
+        keys = []
+        for device in devices:
+            keys.append((device, seen.get(device, 0)))
+            seen[device] = seen.get(device, 0) + 1
+        return keys
+
+    def prestart(self, devices: Sequence[str]) -> None:
+        """Start the workers for ``devices`` without waiting (their imports overlap)."""
+        for key in self.keys(devices):
+            handle = self.workers.get(key)
+            if handle is None or not handle.alive:
+                if handle is not None:
+                    handle.close()
+                    self.replaced += 1
+                self.workers[key] = WorkerHandle(key, preload=self.preload, workdir=self.workdir)
+
+    def get(self, devices: Sequence[str]) -> list[WorkerHandle]:
+        """One ready worker per entry of ``devices`` (rank order); dead ones are replaced."""
+        self.prestart(devices)
+        handles = [self.workers[key] for key in self.keys(devices)]
+        for handle in handles:
+            handle.wait_ready()
+        return handles
+
+    def close(self) -> None:
+        for handle in list(self.workers.values()):
+            handle.close()
+        self.workers.clear()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+# A session-wide pool shared by every --kv-conformance session in this process (pytester
+# runs them inline); closed when the last holder releases it, or at exit.
+_pool: WorkerPool | None = None
+_holds = 0
+
+
+def pool() -> WorkerPool:
+    global _pool
+    if _pool is None:
+        _pool = WorkerPool()
+    return _pool
+
+
+def hold() -> None:
+    """Keep the shared pool open until the matching :func:`release`."""
+    global _holds
+    _holds += 1
+
+
+def release() -> None:
+    """Drop one hold; the last one closes the shared pool (no orphan workers)."""
+    global _holds
+    _holds = max(0, _holds - 1)
+    if _holds == 0:
+        close_pool()
+
+
+def close_pool() -> None:
+    global _pool
+    if _pool is not None:
+        _pool.close()
+        _pool = None
+
+
+atexit.register(close_pool)
+
+
+# --- child side ------------------------------------------------------------------------
+
+
+def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str]) -> None:
+    """Entry point of a spawned worker: redirect output, import, answer until told to stop."""
+    import faulthandler
+    import sys
+
+    fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    faulthandler.enable(sys.stderr)
+    started = time.monotonic()
+    try:
+        for name in preload:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
+    except BaseException as exc:
+        traceback.print_exc()
+        conn.send({"ok": False, "error": repr(exc), "traceback": traceback.format_exc()})
+        return
+    conn.send({"ok": True, "result": {"pid": os.getpid(), "device": device,
+                                      "import_s": round(time.monotonic() - started, 2)}})
+    state = _WorkerState(device)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the parent is gone: never outlive it
+            return
+        if message.get("cmd") == "shutdown":
+            state.release()
+            return
+        try:
+            reply = {"ok": True, "result": state.handle(message)}
+        except Exception as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                     "traceback": traceback.format_exc()}
+        conn.send(reply)
+
+
+def _error(exc: BaseException) -> dict[str, str]:
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+class _WorkerState:
+    """What one worker holds between commands: its config and its KV allocation."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.views: dict[str, Any] = {}
+        self.layers: list[str] = []
+
+    def handle(self, message: dict[str, Any]) -> Any:
+        cmd = message["cmd"]
+        if cmd == "ping":
+            return {"pid": os.getpid(), "device": self.device}
+        if cmd == "crash":
+            os.write(2, str(message.get("text", "")).encode() + b"\n")
+            os._exit(int(message.get("code", 3)))
+        handler = getattr(self, f"cmd_{cmd}", None)
+        if handler is None:
+            raise ValueError(f"unknown worker command {cmd!r}")
+        return handler(message)
+
+    def release(self) -> None:
+        self.views, self.layers = {}, []
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+
+    def cmd_release(self, message: dict[str, Any]) -> None:
+        self.release()
+
+    def cmd_free_memory(self, message: dict[str, Any]) -> int | None:
+        from pytest_kvconform import compat
+
+        self.release()
+        return compat.device_free_memory(self.device)
+
+    def cmd_adopt_and_init(self, message: dict[str, Any]) -> dict[str, Any]:
+        from pytest_kvconform import compat
+
+        self.release()
+        rpc = compat.executor_wire_decode(message["frames"])
+        configs, max_model_len = rpc["args"]
+        rank = message["rank"]
+        config = configs[rank]  # as DiffusionWorker.set_kv_cache_configs picks its own
+        vllm_config = compat.production_vllm_config(self.device, world_size=len(configs))
+        report: dict[str, Any] = {
+            "pid": os.getpid(), "rank": rank, "method": rpc.get("method"),
+            "num_configs": len(configs),
+            "fresh_layout": vllm_config.cache_config.kv_cache_layout,
+            "received": config_summary(config), "adopted": None, "adopt_error": None,
+            "init_error": None, "layout_after": None, "views": {}, "storage_nbytes": None,
+            "fault": message.get("fault"),
+        }
+        vllm_config.model_config.max_model_len = max_model_len
+        vllm_config.cache_config.num_gpu_blocks = config.num_blocks
+        if message.get("prepin"):
+            vllm_config.cache_config.kv_cache_layout = message["prepin"]
+        skip = message.get("skip_adoption") or message.get("fault") == "skip_adoption"
+        if not skip:
+            try:
+                report["adopted"] = compat.adopt_layout(vllm_config, config).name
+                if message.get("need") is not None:
+                    compat.assert_backend_layout_supported(vllm_config,
+                                                           _declaring(bool(message["need"])))
+            except Exception as exc:
+                report["adopt_error"] = _error(exc)
+                return report
+        try:
+            views = compat.init_kv_cache(vllm_config, config, self.device)
+        except Exception as exc:
+            report["init_error"] = _error(exc)
+            return report
+        report["layout_after"] = vllm_config.cache_config.kv_cache_layout
+        self.views = dict(views)
+        self.layers = [name for t in config.kv_cache_tensors for name in t.layers]
+        storages = set()
+        for name, view in self.views.items():
+            storage = view.untyped_storage()
+            storages.add(storage.data_ptr())
+            report["views"][name] = {
+                "device": str(view.device), "shape": list(view.shape), "dtype": str(view.dtype),
+                "byte_offset": view.data_ptr() - storage.data_ptr()}
+            report["storage_nbytes"] = storage.nbytes()
+        report["num_storages"] = len(storages)
+        return report
+
+    def _raw(self) -> Any:
+        import torch
+
+        storage = next(iter(self.views.values())).untyped_storage()
+        raw = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        return raw.set_(storage, 0, (storage.nbytes(),), (1,))
+
+    def cmd_write_pattern(self, message: dict[str, Any]) -> None:
+        import torch
+
+        if not self.views:
+            raise RuntimeError("write_pattern before a successful adopt_and_init")
+        raw = self._raw()
+        raw.zero_()
+        wrong_offset = message.get("fault") == "wrong_offset"
+        for layer, block in message["pages"]:
+            page = self.views[self.layers[layer]][block].view(torch.uint8)
+            if wrong_offset:  # seeded fault: the page lands one token off
+                shift = min(page.stride()[:2])
+                end = page.storage_offset() + shift + max(
+                    (n - 1) * s for n, s in zip(page.shape, page.stride(), strict=True)) + 1
+                shift = -shift if end > raw.numel() else shift
+                page = torch.as_strided(raw, page.shape, page.stride(),
+                                        page.storage_offset() + shift)
+            pattern = page_pattern(layer, block, message.get("rank", 0), tuple(page.shape))
+            page.copy_(torch.from_numpy(pattern).to(page.device))
+        if raw.device.type == "cuda":
+            torch.cuda.synchronize(raw.device)
+
+    def cmd_read_back(self, message: dict[str, Any]) -> list[bytes]:
+        raw = self._raw()
+        out = []
+        for start, nbytes in message["regions"]:
+            out.append(raw[start:start + nbytes].cpu().numpy().tobytes())
+        return out
+
+
+def _declaring(need: bool) -> type:
+    """A stand-in backend class declaring ``need`` (the parent resolved the real one)."""
+    return type("DeclaredNeed", (), {"indexes_kv_by_block_stride": classmethod(lambda cls: need)})

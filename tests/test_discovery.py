@@ -1,0 +1,55 @@
+"""Discovery with fake sources: sorted, nothing dropped, collisions refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_kvconform import discovery
+from pytest_kvconform.model import BackendUnderTest
+
+
+class B:
+    @classmethod
+    def indexes_kv_by_block_stride(cls) -> bool:
+        return False
+
+
+def fake_registry() -> tuple[list[BackendUnderTest], str | None]:
+    return [BackendUnderTest("ZETA", "m.Z", "registry", cls=B),
+            BackendUnderTest("ALPHA", "m.A", "registry", error="ImportError (no message)")], None
+
+
+def no_omni() -> tuple[list[BackendUnderTest], str | None]:
+    return [], discovery.OMNI_MISSING
+
+
+def test_sorted_and_unimportable_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery, "platform_backend", lambda paths: (None, None))
+    found = discovery.discover([{"MID": B}, None, {"LATE": "no_such_mod_x:Y"}],
+                               registry=fake_registry, include_entry_points=False)
+    assert found.names == ["ALPHA", "LATE", "MID", "ZETA"]
+    late = found.by_name("LATE")
+    assert not late.importable and "ModuleNotFoundError" in (late.error or "")
+    assert found.by_name("MID").source == "hook"
+
+
+def test_collision_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery, "platform_backend", lambda paths: (None, None))
+    with pytest.raises(discovery.DiscoveryError, match="'ZETA' is defined twice"):
+        discovery.discover([{"ZETA": B}], registry=fake_registry, include_entry_points=False)
+
+
+def test_missing_omni_is_a_note() -> None:
+    found = discovery.discover([], registry=no_omni, include_entry_points=False)
+    assert found.backends == [] and found.notes == [discovery.OMNI_MISSING]
+
+
+@pytest.mark.parametrize("bad", [{"bad name": B}, {"X": 3}, ["X"]])
+def test_bad_hook_results(bad: object) -> None:
+    with pytest.raises(discovery.DiscoveryError):
+        discovery.discover([bad], registry=no_omni, include_entry_points=False)  # type: ignore[list-item]
+
+
+def test_describe_error_never_empty() -> None:
+    assert discovery.describe_error(ImportError()) == "ImportError (no message)"
+    assert discovery.describe_error(ValueError("x")) == "ValueError: x"

@@ -1,0 +1,192 @@
+"""Seeded faults for the KV-N clauses: each turns exactly its clauses red.
+
+The suite runs inline, in this process, so a fault planted with this test's
+``monkeypatch`` (on the module attribute production reads at call time) is
+live for the run and undone after it.  The unpatched selection runs too, so
+no clause fails by construction.  KV-N3 restates KV-N2's numbers under an
+override, so a fault in the shared sizing path fails both, on purpose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from pytest_kvconform.model import clause_from_test_name
+from tests.conftest import needs_omni
+
+pytestmark = needs_omni
+
+SELECT = ("-k", "kv_n and bf16_h8")
+CLAUSES = ("KV-N1", "KV-N2", "KV-N3", "KV-N4", "KV-N5")
+
+
+def _literal(text: str) -> str:
+    """An fnmatch pattern: ``*`` stays a wildcard, ``[`` and ``?`` are literal."""
+    return text.replace("[", "[[]").replace("?", "[?]")
+
+
+def _run(kv_run: Callable[..., pytest.RunResult], failing: dict[str, tuple[str, ...]]) -> None:
+    """Run KV-N1..N5 on bf16_h8; exactly ``failing`` fail, each with its message lines.
+
+    The first line of a message follows ``KV-Nx violated [case=bf16_h8]``; later
+    ones (``expected:``/``actual:``) are matched in order below it.
+    """
+    result = kv_run(*SELECT)
+    _passed, skipped, failed = result.reprec.listoutcomes()  # type: ignore[attr-defined]
+    got = sorted(str(clause_from_test_name(r.nodeid.rsplit("::", 1)[-1])) for r in failed)
+    assert got == sorted(failing), result.stdout.str()[-3000:]
+    assert not skipped
+    result.assert_outcomes(failed=len(failing), passed=len(CLAUSES) - len(failing))
+    lines: list[str] = []
+    for clause, (first, *rest) in sorted(failing.items()):
+        lines.append(_literal(f"*{clause} violated [case=bf16_h8]: *{first}*"))
+        lines.extend(_literal(f"*{line}*") for line in rest)
+    result.stdout.fnmatch_lines(lines, consecutive=False)
+
+
+def test_unpatched_selection_passes(kv_run: Callable[..., pytest.RunResult]) -> None:
+    _run(kv_run, {})
+
+
+def test_n1_pool_handing_out_the_null_block(kv_run: Callable[..., pytest.RunResult],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool counts the null block as free: one block more than it may hand out."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    original = BlockPool.get_new_blocks
+
+    def leaky(self: Any, num_blocks: int) -> list[Any]:
+        if num_blocks == self.get_num_free_blocks() + 1:
+            return [*original(self, num_blocks - 1), self.null_block]
+        return original(self, num_blocks)
+
+    monkeypatch.setattr(BlockPool, "get_new_blocks", leaky)
+    _run(kv_run, {"KV-N1": ("did not raise: it handed out block ids [0] (the null block)",)})
+
+
+def _forget_null_block_in_auto_fit(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from vllm.v1.core import kv_cache_utils
+
+    original = kv_cache_utils._auto_fit_max_model_len
+    per_block = kv_cache_utils._pool_bytes_per_block
+
+    def forgetful(vllm_config: Any, groups_per_worker: list[Any], memory: list[int]) -> None:
+        memory = [m + per_block(g) if g else m for g, m in zip(groups_per_worker, memory)]
+        original(vllm_config, groups_per_worker, memory)
+
+    monkeypatch.setattr(kv_cache_utils, "_auto_fit_max_model_len", forgetful)
+    return kv_cache_utils
+
+
+def test_n2_auto_fit_forgetting_the_null_block(kv_run: Callable[..., pytest.RunResult],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auto-fit plans for every page; admission still plans for one fewer and refuses it."""
+    _forget_null_block_in_auto_fit(monkeypatch)
+    _run(kv_run, {"KV-N2": ("refused memory for 16 pages, max_model_len auto-fit*max seq len (256)",),
+                  "KV-N3": ("num_gpu_blocks_override=16, max_model_len auto-fit*(256)",),
+                  "KV-N4": ("refused memory for 2 pages (1 usable block)*max seq len (32)",)})
+
+
+def test_sizing_forgetting_the_null_block(kv_run: Callable[..., pytest.RunResult],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pre-0.29 sizing: auto-fit and admission both count the null block as usable."""
+    kv_cache_utils = _forget_null_block_in_auto_fit(monkeypatch)
+    original = kv_cache_utils._check_enough_kv_cache_memory
+    per_block = kv_cache_utils._pool_bytes_per_block
+
+    def forgetful(available: int, needed: Any, max_model_len: int, estimate: Any) -> None:
+        groups = needed.args[1]  # partial(_max_memory_usage_bytes_from_groups, cfg, groups)
+        original(available + per_block(groups), needed, max_model_len, estimate)
+
+    monkeypatch.setattr(kv_cache_utils, "_check_enough_kv_cache_memory", forgetful)
+    _run(kv_run, {"KV-N2": ("auto-fit max_model_len must plan for the 15 usable", "expected: 240",
+                              "actual:   256"),
+                  "KV-N3": ("num_gpu_blocks_override=16: auto-fit", "expected: 240",
+                            "actual:   256"),
+                  "KV-N4": ("memory for 1 page was accepted", "actual:   'num_blocks=1")})
+
+
+def test_n3_override_ignored(kv_run: Callable[..., pytest.RunResult],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control plane sizes from profiled memory and drops num_gpu_blocks_override."""
+    from vllm_omni.diffusion.diffusion_kv import initialization
+
+    original = initialization.get_kv_cache_configs
+
+    def ignoring(vllm_config: Any, specs: Any, memory: list[int]) -> Any:
+        cache_config = vllm_config.cache_config
+        saved, cache_config.num_gpu_blocks_override = cache_config.num_gpu_blocks_override, None
+        try:
+            return original(vllm_config, specs, memory)
+        finally:
+            cache_config.num_gpu_blocks_override = saved
+
+    monkeypatch.setattr(initialization, "get_kv_cache_configs", ignoring)
+    _run(kv_run, {"KV-N3": ("memory for 37 pages with num_gpu_blocks_override=16: rank 0's "
+                            "KVCacheConfig.num_blocks", "expected: 16", "actual:   37")})
+
+
+def test_n4_missing_refusal(kv_run: Callable[..., pytest.RunResult],
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """No memory left after the null block is waved through instead of refused."""
+    from vllm.v1.core import kv_cache_utils
+
+    check, fit = kv_cache_utils._check_enough_kv_cache_memory, \
+        kv_cache_utils._auto_fit_max_model_len
+
+    def lax_check(available: int, *args: Any) -> None:
+        if available > 0:
+            check(available, *args)
+
+    def lax_fit(vllm_config: Any, *args: Any) -> None:
+        try:
+            fit(vllm_config, *args)
+        except ValueError:
+            vllm_config.model_config.max_model_len = 1
+
+    monkeypatch.setattr(kv_cache_utils, "_check_enough_kv_cache_memory", lax_check)
+    monkeypatch.setattr(kv_cache_utils, "_auto_fit_max_model_len", lax_fit)
+    _run(kv_run, {"KV-N4": ("memory for 1 page was accepted: a config with no usable block",)})
+
+
+def _patch_rank_sizing(monkeypatch: pytest.MonkeyPatch,
+                       resize: Callable[[Any, Any, list[int], Any], list[Any]]) -> None:
+    from vllm_omni.diffusion.diffusion_kv import initialization
+
+    original = initialization.get_kv_cache_configs
+
+    def faulty(vllm_config: Any, specs: Any, memory: list[int]) -> list[Any]:
+        return resize(vllm_config, specs, memory, original)
+
+    monkeypatch.setattr(initialization, "get_kv_cache_configs", faulty)
+
+
+def test_n5_ranks_sized_for_the_largest(kv_run: Callable[..., pytest.RunResult],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank gets the largest rank's memory instead of the smallest's."""
+
+    def largest(vllm_config: Any, specs: Any, memory: list[int], original: Any) -> list[Any]:
+        return original(vllm_config, specs, [max(memory)] * len(memory))
+
+    _patch_rank_sizing(monkeypatch, largest)
+    _run(kv_run, {"KV-N5": ("every rank must get the smallest num_blocks; rank 0", "expected: 16",
+                            "actual:   23")})
+
+
+def test_n5_ranks_not_shrinking_tensors(kv_run: Callable[..., pytest.RunResult],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks take the minimum count but keep tensors sized for their own memory."""
+
+    def unshrunk(vllm_config: Any, specs: Any, memory: list[int], original: Any) -> list[Any]:
+        configs = [original(vllm_config, [s], [m])[0] for s, m in zip(specs, memory)]
+        smallest = min(c.num_blocks for c in configs)
+        for config in configs:
+            config.num_blocks = smallest
+        return configs
+
+    _patch_rank_sizing(monkeypatch, unshrunk)
+    _run(kv_run, {"KV-N5": ("rank 0 (memory for 19 pages) kv_cache_tensors[0].size must shrink to 16",
+                            "expected: 32768", "actual:   38912")})

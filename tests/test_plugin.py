@@ -1,0 +1,168 @@
+"""The plugin's front door: options, off-means-free, discovery sources, usage errors."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.conftest import needs_omni
+
+REGISTRY = [
+    "CUDNN_ATTN", "FASTVIDEO_VSA", "FLASHINFER_ATTN", "FLASH_ATTN", "FLASH_ATTN_3_HUB",
+    "FLASH_ATTN_HUB", "RAINFUSION_ATTN", "SAGE_ATTN", "SAGE_ATTN_3", "TORCH_SDPA", "TRTLLM_ATTN",
+]
+
+FAKE_BACKENDS = '''
+class GoodBlockStride:
+    @classmethod
+    def indexes_kv_by_block_stride(cls):
+        return True
+
+class IntNotBool:
+    @classmethod
+    def indexes_kv_by_block_stride(cls):
+        return 1
+
+def pytest_kvconform_backends(config):
+    return {"GOOD_BS": GoodBlockStride, "INT_FLAG": IntNotBool,
+            "MISSING": "no_such_module_kvc:Backend"}
+'''
+
+
+def test_off_means_free(pytester: pytest.Pytester) -> None:
+    """Without --kv-conformance: no torch/vllm/vllm_omni import, no test added."""
+    pytester.makepyfile(test_probe='''
+        import sys
+
+        def test_probe():
+            heavy = [m for m in ("torch", "vllm", "vllm_omni") if m in sys.modules]
+            assert heavy == []
+    ''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert "kvconform:" not in result.stdout.str()  # no header lines, no matrix
+
+
+def test_help_lists_options_in_their_group(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess("--help")
+    result.stdout.fnmatch_lines(["*KV-cache layout conformance (pytest-kvconform)*"])
+    for flag in ("--kv-conformance", "--kv-backend=NAME", "--kv-device=auto|cpu|cuda[:N]",
+                 "--kv-cases=PATH", "--kv-report=PATH", "--kv-xfails=FILE", "--kv-strict"):
+        assert flag in result.stdout.str(), flag
+    result.stdout.fnmatch_lines(["*kv_conformance (bool)*"])
+
+
+@needs_omni
+def test_collect_only_lists_all_registry_members(kv_run) -> None:
+    result = kv_run("--collect-only", "-q", "-k", "kv_l1 or kv_l2")
+    out = result.stdout.str()
+    for name in REGISTRY:
+        assert f"test_kv_l1[{name}]" in out, name
+        assert f"test_kv_l2[{name}]" in out, name
+
+
+@needs_omni
+def test_registry_run_l1_l2(kv_run) -> None:
+    result = kv_run("-rs", "-k", "kv_l1 or kv_l2")
+    result.assert_outcomes(passed=20, skipped=2)
+    result.stdout.fnmatch_lines([
+        "*backend x clause*",
+        "*KV-L1: backend SAGE_ATTN_3 is not importable: ImportError*",
+    ])
+    for name in REGISTRY:
+        result.stdout.fnmatch_lines([f"{name} *"])
+
+
+@needs_omni
+def test_unknown_backend_is_usage_error(kv_run) -> None:
+    result = kv_run("--kv-backend", "NOPE")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kv-backend: unknown backend NOPE; available backends: "
+                                 "CUDNN_ATTN, *TORCH_SDPA, TRTLLM_ATTN*"])
+
+
+def test_hook_backends_and_bad_flag(pytester: pytest.Pytester, kv_run) -> None:
+    pytester.makeconftest(FAKE_BACKENDS)
+    result = kv_run("-rs", "-k", "kv_l1", "--kv-backend", "GOOD_BS", "--kv-backend", "INT_FLAG",
+                    "--kv-backend", "MISSING")
+    result.assert_outcomes(passed=1, failed=1, skipped=1)
+    result.stdout.fnmatch_lines([
+        "*KV-L1 violated [[]backend=INT_FLAG[]]: indexes_kv_by_block_stride() returned 1 of "
+        "type int; a real bool is required*",
+        "*KV-L1: backend MISSING is not importable: ModuleNotFoundError*no_such_module_kvc*",
+    ])
+
+
+def test_entry_point_backend(pytester: pytest.Pytester, kv_run,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny installed distribution registers a backend through the entry-point group."""
+    site = pytester.mkdir("site")
+    (site / "kvc_fake_backend.py").write_text(textwrap.dedent('''
+        class EntryBackend:
+            @classmethod
+            def indexes_kv_by_block_stride(cls):
+                return False
+
+        def more():
+            return {"EP_MAPPED": EntryBackend}
+    '''))
+    info = site / "kvc_fake_backend-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvc-fake-backend\n"
+                                   "Version: 0.1\n")
+    (info / "entry_points.txt").write_text("[pytest_kvconform.backends]\n"
+                                           "EP_CLASS = kvc_fake_backend:EntryBackend\n"
+                                           "EP_FACTORY = kvc_fake_backend:more\n")
+    monkeypatch.syspath_prepend(str(site))
+    result = kv_run("-v", "-k", "kv_l1 and EP_")
+    result.stdout.fnmatch_lines(["*test_kv_l1[[]EP_CLASS[]] PASSED*",
+                                 "*test_kv_l1[[]EP_MAPPED[]] PASSED*"])
+    result.assert_outcomes(passed=2)
+
+
+def test_duplicate_backend_name_is_usage_error(pytester: pytest.Pytester, kv_run) -> None:
+    pytester.makeconftest('''
+        class A:
+            @classmethod
+            def indexes_kv_by_block_stride(cls):
+                return False
+
+        def pytest_kvconform_backends(config):
+            return {"TORCH_SDPA": A} if %r else {"X": A}
+    ''' % True)
+    result = kv_run()
+    if result.ret == pytest.ExitCode.USAGE_ERROR:
+        result.stderr.fnmatch_lines(["*backend name 'TORCH_SDPA' is defined twice*"])
+    else:  # vllm-omni absent: no registry member to collide with
+        pytest.importorskip("vllm_omni")
+
+
+def test_bad_case_file_names_file_case_and_key(pytester: pytest.Pytester, kv_run) -> None:
+    bad = pytester.makefile(".toml", bad='[[case]]\nid = "mine"\nhead_sise = 8\n')
+    result = kv_run("--kv-cases", str(bad))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--kv-cases: {bad}, case 'mine', key 'head_sise': "
+                                 "unknown key*"])
+
+
+def test_bad_device_option(kv_run) -> None:
+    result = kv_run("--kv-device", "tpu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*tpu*"])
+
+
+def test_ini_keys_enable_the_suite(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nkv_conformance = true\nkv_backend = ONLY\n")
+    pytester.makeconftest('''
+        class Only:
+            @classmethod
+            def indexes_kv_by_block_stride(cls):
+                return False
+
+        def pytest_kvconform_backends(config):
+            return {"ONLY": Only}
+    ''')
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:xdist", "-q",
+                                "--collect-only", "-k", "kv_l1")
+    result.stdout.fnmatch_lines(["*test_kv_l1[[]ONLY[]]*"])
