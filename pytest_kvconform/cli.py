@@ -85,8 +85,21 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    """Slot for the plain (pytest-free) runner; not wired yet."""
-    return _error("'kvconform run' is not available yet; use 'pytest --kv-conformance'")
+    """Run the suite in this process and print the report's Markdown.
+
+    A convenience front-end for release engineers: the same checks and report
+    as ``pytest --kv-conformance --kv-report PATH``; extra arguments go to pytest.
+    """
+    import tempfile
+
+    import pytest
+
+    with tempfile.TemporaryDirectory(prefix="kvconform-") as tmp:
+        path = args.report or str(Path(tmp) / "report.json")
+        code = int(pytest.main(["--kv-conformance", "-q", "--kv-report", path, *args.extra]))
+        if Path(path).is_file():
+            print(render_markdown(load_report(path)))
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("-o", "--output", help="Markdown file to write (default: stdout)")
     merge.set_defaults(func=_cmd_merge)
 
-    run = sub.add_parser("run", help="run the conformance checks without pytest (not available)")
+    run = sub.add_parser("run", help="run the suite and print the report; other arguments "
+                         "go to pytest (e.g. --kv-backend NAME, -n 2)")
+    run.add_argument("--report", help="also keep the JSON report (and .md) at this path")
     run.set_defaults(func=_cmd_run)  # takes any arguments: see main()
     return parser
 

@@ -7,6 +7,7 @@ report all live here, so that ``plugin.py`` stays free of heavy imports.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -83,7 +84,11 @@ class KvSession:
         started = time.monotonic()
         hook_results = self.config.hook.pytest_kvconform_backends(config=self.config)
         try:
-            self.discovery = discover(hook_results)
+            with warnings.catch_warnings():
+                # Importing backends imports torch and vLLM, whose own deprecation
+                # warnings would otherwise print before the session starts.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self.discovery = discover(hook_results)
         except DiscoveryError as exc:
             raise pytest.UsageError(f"kvconform: {exc}") from None
         self.discovery_seconds = time.monotonic() - started

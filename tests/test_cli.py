@@ -165,9 +165,22 @@ def test_merge_refuses_invalid_report(
     assert f"{edited_path}: $.verdict" in capsys.readouterr().err
 
 
-def test_run_is_not_available_yet(capsys: Any) -> None:
-    assert main(["run", "--anything"]) == 2
-    assert "not available" in capsys.readouterr().err
+def test_run_passes_arguments_to_pytest_and_prints_the_report(
+        two_reports: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    cpu, _ = two_reports
+    calls: list[list[str]] = []
+
+    def fake_main(argv: list[str]) -> int:
+        calls.append(argv)
+        Path(argv[argv.index("--kv-report") + 1]).write_text(cpu.read_text())
+        return 1
+
+    monkeypatch.setattr(pytest, "main", fake_main)
+    target = tmp_path / "kept.json"
+    assert main(["run", "--report", str(target), "--kv-backend", "X", "-n", "2"]) == 1
+    assert calls == [["--kv-conformance", "-q", "--kv-report", str(target), "--kv-backend", "X",
+                      "-n", "2"]]
+    assert "| backend |" in capsys.readouterr().out or target.is_file()
 
 
 def test_usage_errors_return_2(capsys: Any) -> None:
