@@ -21,6 +21,7 @@ from pytest_kvconform.suite.runner import SKIP_KIND_PROPERTY
 
 PROPERTIES = ("kv_clause", "kv_backend", "kv_case", "kv_layout", "kv_device")
 NO_BACKEND_ID = "no-backend"
+XFAIL_PROPERTY = "kv_xfail"
 
 
 class KvSession:
@@ -162,8 +163,11 @@ class KvSession:
             entry = first_match(self.xfails, backend=props["kv_backend"],
                                 clause=props["kv_clause"], case=props["kv_case"],
                                 layout=props["kv_layout"], versions=_versions_for_xfails(),
-                                device_kind=self.device.split(":")[0])
+                                device_kind=self.device.split(":")[0],
+                                test=getattr(item, "originalname", item.name))
             if entry is not None:
+                # Kept on the item too: a declared test that skips still names its entry.
+                item.user_properties.append((XFAIL_PROPERTY, entry.describe()))
                 item.add_marker(pytest.mark.xfail(reason=f"known: {entry.reason} "
                                                   f"[{entry.describe()}]",
                                                   strict=self.options.strict))
@@ -222,6 +226,7 @@ class KvSession:
         json_path, md_path = report_mod.write_report(self.options.report, built)
         tr = self.config.pluginmanager.get_plugin("terminalreporter")
         if tr is not None:
+            tr.ensure_newline()
             tr.write_line(f"kvconform: report written to {json_path} and {md_path}")
 
     def backend_dicts(self) -> list[dict[str, Any]]:
@@ -286,9 +291,6 @@ def result_record(report: pytest.TestReport) -> dict[str, Any] | None:
             "pytest_kvconform.checks.errors.ClauseFailure: ") else reason
     elif wasxfail is not None:
         reason = str(wasxfail).removeprefix("reason: ")
-    entry = None
-    if wasxfail and "[" in str(wasxfail):
-        entry = str(wasxfail).rsplit("[", 1)[1].rstrip("]")
     return {
         "nodeid": report.nodeid,
         "backend": props.get("kv_backend"),
@@ -300,5 +302,5 @@ def result_record(report: pytest.TestReport) -> dict[str, Any] | None:
         "reason": reason,
         "duration_s": round(report.duration, 4),
         "skip_kind": props.get(SKIP_KIND_PROPERTY),
-        "xfail": entry,
+        "xfail": props.get(XFAIL_PROPERTY),
     }

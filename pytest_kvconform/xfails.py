@@ -36,9 +36,10 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the tomli ba
     import tomli as tomllib  # type: ignore[no-redef]
 
 ANY_BACKEND = "*"
+ANY_CLAUSE = "*"  # every clause of the backend, e.g. one whose kernel package is absent
 DEVICE_KINDS = ("cpu", "cuda")
 _REQUIRED = ("backend", "clause", "reason")
-_OPTIONAL = ("case", "layout", "vllm", "vllm_omni", "device")
+_OPTIONAL = ("case", "layout", "test", "vllm", "vllm_omni", "device")
 _VERSION_KEYS = ("vllm", "vllm_omni")
 
 
@@ -70,6 +71,7 @@ class XfailEntry:
     reason: str
     case: str | None = None
     layout: str | None = None
+    test: str | None = None  # the suite function, e.g. "test_kv_l8_alias"
     vllm: SpecifierSet | None = None
     vllm_omni: SpecifierSet | None = None
     device: str | None = None
@@ -82,6 +84,8 @@ class XfailEntry:
         id the same on every host.
         """
         parts = [self.backend, self.clause]
+        if self.test is not None:
+            parts.append(self.test)
         if self.case is not None:
             parts.append(self.case)
         text = f"{Path(self.file).name}:{self.index} {'/'.join(parts)}"
@@ -90,7 +94,12 @@ class XfailEntry:
         return text
 
     def matches(
-        self, backend: str | None, clause: str, case: str | None, layout: str | None
+        self,
+        backend: str | None,
+        clause: str,
+        case: str | None,
+        layout: str | None,
+        test: str | None = None,
     ) -> bool:
         """Whether this entry names the test; None fields of the entry match anything.
 
@@ -98,9 +107,11 @@ class XfailEntry:
         """
         if self.backend != ANY_BACKEND and self.backend != backend:
             return False
-        if self.clause != clause:
+        if self.clause != ANY_CLAUSE and self.clause != clause:
             return False
         if self.case is not None and self.case != case:
+            return False
+        if self.test is not None and self.test != test:
             return False
         return self.layout is None or self.layout == layout
 
@@ -172,7 +183,7 @@ def _parse_entry(file: str, index: int, table: Any) -> XfailEntry:
         if not isinstance(value, str) or not value.strip():
             raise fail(f"must be a non-empty string, got {value!r}", key)
         fields[key] = value.strip()
-    if not CLAUSE_RE.match(fields["clause"]):
+    if fields["clause"] != ANY_CLAUSE and not CLAUSE_RE.match(fields["clause"]):
         raise fail(f"bad clause id {fields['clause']!r} (expected e.g. 'KV-L6')", "clause")
     for key in _VERSION_KEYS:
         if key in fields:
@@ -194,10 +205,13 @@ def first_match(
     layout: str | None,
     versions: Mapping[str, str | None],
     device_kind: str,
+    test: str | None = None,
 ) -> XfailEntry | None:
     """The first entry, in file order, that names the test and applies on this host."""
     for entry in entries:
-        if entry.matches(backend, clause, case, layout) and entry.applies_to(versions, device_kind):
+        if entry.matches(backend, clause, case, layout, test) and entry.applies_to(
+            versions, device_kind
+        ):
             return entry
     return None
 

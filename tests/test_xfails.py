@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_kvconform import xfails
 from pytest_kvconform.xfails import (
     XfailEntry,
     XfailFileError,
@@ -172,3 +173,21 @@ def test_bad_file_names_the_file(tmp_path: Path, text: str, expected: str) -> No
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(XfailFileError, match=r"nope\.toml: cannot read"):
         load_xfails(tmp_path / "nope.toml")
+
+
+def test_test_key_narrows_to_one_suite_function(tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text('[[xfail]]\nbackend = "*"\nclause = "KV-L8"\ntest = "test_kv_l8_alias"\n'
+                    'reason = "aliases"\n')
+    (entry,) = xfails.load_xfails(path)
+    assert entry.matches("FLASH_ATTN", "KV-L8", None, None, "test_kv_l8_alias")
+    assert not entry.matches("FLASH_ATTN", "KV-L8", None, None, "test_kv_l8_canonical")
+    assert "test_kv_l8_alias" in entry.describe()
+
+
+def test_shipped_known_file_loads() -> None:
+    from importlib import resources
+
+    known = resources.files("pytest_kvconform.known") / "vllm_omni_0_30.toml"
+    entries = xfails.load_xfails(str(known))
+    assert entries and all(e.reason and e.vllm_omni is not None for e in entries)
