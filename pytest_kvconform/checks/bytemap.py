@@ -32,7 +32,7 @@ class ByteMap:
     ``actual`` has the logical ``[L, B', H, N', C]`` shape: the byte address (relative
     to the allocation start) where each cell's index was found, or -1 when another
     cell overwrote it.  ``written``/``owner``: every written address and the flat
-    index of the cell found there.  ``address_of`` recomputes one cell's address
+    index of the cell found there.  ``metadata_address`` recomputes one cell's address
     from view metadata, only to name the cell that overwrote a lost one.
     """
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from pytest_kvconform import compat, oracle
 from pytest_kvconform.checks import bytemap
-from pytest_kvconform.checks.errors import ClauseFailure
+from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip
 from pytest_kvconform.model import Case
 
 OMNI_SOURCE = "vllm-omni build_kv_cache_tensor"
@@ -47,6 +47,8 @@ class _Where:
         """Run production code; an exception is a violation here, not a crash."""
         try:
             return fn(*args, **kwargs)
+        except (ClauseFailure, ClauseSkip):
+            raise
         except Exception as exc:
             raise self.fail(source, f"raised {type(exc).__name__}: {exc}") from exc
 
@@ -295,6 +297,8 @@ def _documented_or_fail(where: _Where, source: str, run: Callable[[], Any],
     """The oracle cannot lay this out: production must raise the documented error."""
     try:
         run()
+    except (ClauseFailure, ClauseSkip):
+        raise
     except DOCUMENTED_ERRORS:
         return
     except Exception as exc:
