@@ -1,0 +1,110 @@
+"""The report, expected failures and strict mode, end to end through pytest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_kvconform import report
+
+BACKENDS = '''
+class Good:
+    @classmethod
+    def indexes_kv_by_block_stride(cls):
+        return False
+
+class IntFlag:
+    @classmethod
+    def indexes_kv_by_block_stride(cls):
+        return 1
+
+def pytest_kvconform_backends(config):
+    return {"GOOD": Good, "INT_FLAG": IntFlag}
+'''
+SELECT = ("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-backend", "INT_FLAG")
+
+
+def _results(path: Path) -> list[dict[str, Any]]:
+    data = json.loads(path.read_text())
+    return [{k: v for k, v in r.items() if k != "duration_s"} for r in data["results"]]
+
+
+def test_report_json_and_markdown(pytester: pytest.Pytester, kv_run) -> None:
+    pytester.makeconftest(BACKENDS)
+    result = kv_run(*SELECT, "--kv-report", "r.json")
+    result.assert_outcomes(passed=1, failed=1)
+    data = json.loads((pytester.path / "r.json").read_text())
+    report.validate_report(data)
+    assert data["verdict"] == "not qualified"
+    by_backend = {r["backend"]: r for r in data["results"]}
+    assert by_backend["GOOD"]["status"] == "passed"
+    assert by_backend["INT_FLAG"]["status"] == "failed"
+    assert "returned 1 of type int" in by_backend["INT_FLAG"]["reason"]
+    assert {b["name"] for b in data["backends"]} == {"GOOD", "INT_FLAG"}
+    markdown = (pytester.path / "r.md").read_text()
+    assert "INT_FLAG" in markdown and "KV-L1" in markdown
+    result.stdout.fnmatch_lines(["*kvconform: backend x clause*", "GOOD *.", "INT_FLAG *F"])
+
+
+def test_report_is_the_same_under_xdist(pytester: pytest.Pytester, kv_run) -> None:
+    pytester.makeconftest(BACKENDS)
+    serial = kv_run(*SELECT, "--kv-report", "serial.json")
+    serial.assert_outcomes(passed=1, failed=1)
+    parallel = pytester.runpytest("--kv-conformance", "-p", "no:cacheprovider", *SELECT,
+                                  "-n", "2", "--kv-report", "parallel.json")
+    parallel.assert_outcomes(passed=1, failed=1)
+    assert _results(pytester.path / "serial.json") == _results(pytester.path / "parallel.json")
+
+
+def test_xfails_match_and_stale_entry_warned(pytester: pytest.Pytester, kv_run) -> None:
+    pytester.makeconftest(BACKENDS)
+    xf = pytester.makefile(".toml", known='''
+        [[xfail]]
+        backend = "INT_FLAG"
+        clause = "KV-L1"
+        reason = "returns an int"
+
+        [[xfail]]
+        backend = "NOT_THERE"
+        clause = "KV-L2"
+        reason = "stale"
+    ''')
+    result = kv_run(*SELECT, "-rx", "--kv-xfails", str(xf), "--kv-report", "r.json")
+    result.assert_outcomes(passed=1, xfailed=1)
+    result.stdout.fnmatch_lines(["*stale xfail entry known.toml:2 NOT_THERE/KV-L2 matched no "
+                                 "test*"])
+    statuses = {r["backend"]: r["status"] for r in _results(pytester.path / "r.json")}
+    assert statuses == {"GOOD": "passed", "INT_FLAG": "xfailed"}
+
+
+def test_strict_mode_fails_on_xpass_and_names_verdict(pytester: pytest.Pytester,
+                                                      kv_run) -> None:
+    pytester.makeconftest(BACKENDS)
+    xf = pytester.makefile(".toml", known='''
+        [[xfail]]
+        backend = "GOOD"
+        clause = "KV-L1"
+        reason = "claims a failure that is fixed"
+    ''')
+    result = kv_run("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-xfails", str(xf),
+                    "--kv-strict")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*kvconform: verdict: not qualified*"])
+
+
+def test_strict_mode_forgives_missing_hardware_only(pytester: pytest.Pytester, kv_run) -> None:
+    pytester.makeconftest(BACKENDS.replace('"INT_FLAG": IntFlag', '"BROKEN": "no_mod_q:X"'))
+    result = kv_run("-k", "kv_l1", "--kv-backend", "BROKEN", "--kv-strict")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*verdict: not qualified*"])
+
+
+def test_junit_properties(pytester: pytest.Pytester, kv_run) -> None:
+    pytester.makeconftest(BACKENDS)
+    kv_run(*SELECT, "--junitxml", "j.xml")
+    xml = (pytester.path / "j.xml").read_text()
+    assert '<property name="kv_clause" value="KV-L1"' in xml
+    assert '<property name="kv_backend" value="INT_FLAG"' in xml
