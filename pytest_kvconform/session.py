@@ -255,9 +255,15 @@ def item_properties(item: pytest.Item, device: str) -> dict[str, Any] | None:
     params = item.callspec.params
     backend = params.get("kv_backend")
     case = params.get("kv_case")
+    if backend is not None:
+        backend_name = backend.name
+    elif "kv_need" in params:  # the control plane's explicit seam, per declared need
+        backend_name = f"need_{params['kv_need']}"
+    else:
+        backend_name = None
     return {
         "kv_clause": clause,
-        "kv_backend": backend.name if backend is not None else None,
+        "kv_backend": backend_name,
         "kv_case": case.id if case is not None else None,
         "kv_layout": params.get("kv_layout"),
         "kv_device": device,

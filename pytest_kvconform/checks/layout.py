@@ -321,6 +321,30 @@ def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
                         "a layer-outermost layout", actual=pinned)
 
 
+class DeclaresLayerStride:
+    """A stand-in backend for the control plane's explicit seam: needs LBNHC."""
+
+    @classmethod
+    def indexes_kv_by_block_stride(cls) -> bool:
+        return False
+
+
+class DeclaresBlockStride:
+    """A stand-in backend that needs a block-outermost layout; no in-tree backend does yet."""
+
+    @classmethod
+    def indexes_kv_by_block_stride(cls) -> bool:
+        return True
+
+
+def seam_backend(need: bool) -> BackendUnderTest:
+    """A backend declaring ``need``, so KV-L6 covers both needs even while the
+    registry declares only False (a wiring gap would otherwise stay invisible)."""
+    cls = DeclaresBlockStride if need else DeclaresLayerStride
+    return BackendUnderTest(f"need_{need}", f"{cls.__module__}.{cls.__qualname__}", "synthetic",
+                            cls=cls)
+
+
 def check_kv_l7(backend: BackendUnderTest, device: str = "cpu") -> None:
     """KV-L7: the paged read path; needs the backend's kernel device."""
     clause = "KV-L7"

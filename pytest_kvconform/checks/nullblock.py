@@ -151,6 +151,8 @@ def check_kv_n3(case: Case) -> None:
 
 
 def _check_sizing(clause: str, case: Case, memory_pages: int, *, override: int | None) -> None:
+    # The sizing path is driven through vllm-omni's production control plane.
+    compat.require_omni(clause)
     pages, usable = case.num_pages, case.usable_blocks
     memory = [memory_pages * bytes_per_block(case)]
     setting = f"memory for {memory_pages} pages" + (
@@ -215,6 +217,7 @@ def _check_admission(clause: str, case: Case, memory: list[int], setting: str,
 def check_kv_n4(case: Case) -> None:
     """KV-N4: memory for fewer than two pages is refused with a clear error."""
     clause = "KV-N4"
+    compat.require_omni(clause)
     block = bytes_per_block(case)
     attempts = (
         ("memory for 1 page", block, -1),
@@ -268,6 +271,7 @@ def rank_pages(case: Case) -> list[int]:
 def check_kv_n5(case: Case) -> None:
     """KV-N5: ranks with different memory all get the smallest num_blocks, tensors shrunk."""
     clause = "KV-N5"
+    compat.require_omni(clause)
     pages = rank_pages(case)
     smallest = min(pages)
     block = bytes_per_block(case)

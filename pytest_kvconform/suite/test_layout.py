@@ -40,6 +40,11 @@ def test_kv_l6(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
     run_check(request, layout.check_kv_l6, kv_backend, kv_device)
 
 
+def test_kv_l6_seam(request: pytest.FixtureRequest, kv_need: bool, kv_device: str) -> None:
+    """KV-L6 for each need (False/True), through a stand-in backend declaring it."""
+    run_check(request, layout.check_kv_l6, layout.seam_backend(kv_need), kv_device)
+
+
 def test_kv_l7(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
                kv_device: str) -> None:
     """KV-L7 paged read path (CUDA)."""
