@@ -469,7 +469,7 @@ class _WorkerState:
             page = self.views[self.layers[layer]][block].view(torch.uint8)
             if wrong_offset:  # seeded fault: the page lands one token off
                 shift = min(page.stride()[:2])
-                end = page.storage_offset() + shift + max(
+                end = page.storage_offset() + shift + sum(
                     (n - 1) * s for n, s in zip(page.shape, page.stride(), strict=True)) + 1
                 shift = -shift if end > raw.numel() else shift
                 page = torch.as_strided(raw, page.shape, page.stride(),

@@ -1,0 +1,50 @@
+"""The shipped known-findings file keeps strict CI green, and every entry is needed."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import needs_omni
+
+KNOWN = Path(str(resources.files("pytest_kvconform.known") / "vllm_omni_0_30.toml"))
+ENTRIES = tomllib.loads(KNOWN.read_text())["xfail"]
+# Every entry's tests, and a passing neighbour for each, in one small selection.
+SELECT = ("-k", "(kv_l8 and (TORCH_SDPA or SAGE_ATTN_3)) or kv_l6_seam or "
+                "(kv_l1 and SAGE_ATTN_3) or (kv_l2 and TORCH_SDPA)")
+
+pytestmark = needs_omni
+
+
+def _toml(entries: list[dict[str, str]]) -> str:
+    return "\n".join("[[xfail]]\n" + "".join(f"{k} = {v!r}\n" for k, v in e.items())
+                     for e in entries)
+
+
+def test_shipped_file_passes_strict(kv_run) -> None:
+    result = kv_run(*SELECT, "--kv-strict", "--kv-xfails", str(KNOWN))
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*kvconform: verdict: qualified*"])
+
+
+@pytest.mark.parametrize("index", range(len(ENTRIES)),
+                         ids=[f"{e['backend']}-{e.get('test', e['clause'])}" for e in ENTRIES])
+def test_each_entry_is_needed(pytester: pytest.Pytester, kv_run, index: int) -> None:
+    removed = ENTRIES[index]
+    kept = pytester.makefile(".toml", known=_toml(ENTRIES[:index] + ENTRIES[index + 1:]))
+    result = kv_run(*SELECT, "--kv-strict", "--kv-xfails", str(kept), "-rf")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*kvconform: verdict: not qualified*"])
+    failed = re.findall(r"^FAILED \S+::(\S+)", result.stdout.str(), re.MULTILINE)
+    if removed["clause"] == "*":  # an unimportable backend: its skips are no longer declared
+        assert failed == []
+        return
+    assert failed, "removing the entry should make its tests fail"
+    for test_id in failed:
+        assert test_id.startswith(removed["test"]), test_id
+        if removed["backend"] != "*":
+            assert f"[{removed['backend']}]" in test_id
