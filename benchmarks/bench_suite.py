@@ -57,7 +57,7 @@ def main() -> int:
         seconds, peak, code, last = run(selection, args.xdist)
         rows.append(f"| {name} | {seconds:.1f} | {peak} | {code} | {last} |")
         print(rows[-1], flush=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"\n## {stamp} — {platform.node()}, {os.cpu_count()} cores, "
               f"xdist={args.xdist or 'off'}\n\n"
               "| selection | wall s | peak RSS MiB (largest process) | exit | summary |\n"

@@ -7,18 +7,13 @@ case and the key, so a typo never turns into a silently skipped case.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import tomllib
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from pytest_kvconform.model import Case
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 DTYPE_SIZES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 _INT_KEYS = ("block_size", "num_kv_heads", "head_size", "num_layers", "num_pages", "world_size",

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class SkipKind(str, Enum):
+class SkipKind(StrEnum):
     """Why a clause could not run; strict qualification forgives only HARDWARE."""
 
     HARDWARE = "hardware"  # no CUDA, fewer devices than the world size, kernel device absent
