@@ -20,6 +20,7 @@ File format (TOML)::
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +30,6 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from pytest_kvconform.model import CLAUSE_RE
-
-try:  # Python >= 3.11
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the tomli backport
-    import tomli as tomllib  # type: ignore[no-redef]
 
 ANY_BACKEND = "*"
 ANY_CLAUSE = "*"  # every clause of the backend, e.g. one whose kernel package is absent
