@@ -24,9 +24,11 @@ single_rank = pytest.mark.kv_cases(lambda c: c.id in A_CASES and c.world_size ==
 @pytest.fixture(scope="module")
 def _warm_workers(request: pytest.FixtureRequest, kv_workers: Any) -> None:
     """Start every worker the selected tests need at once: their imports overlap."""
-    sizes = [item.callspec.params["kv_case"].world_size for item in request.session.items
-             if item.module is request.module and "_warm_workers" in item.fixturenames
-             and "kv_case" in getattr(item, "callspec", pytest).params]
+    params = [getattr(getattr(item, "callspec", None), "params", {})
+              for item in request.session.items
+              if getattr(item, "module", None) is request.module
+              and "_warm_workers" in getattr(item, "fixturenames", ())]
+    sizes = [p["kv_case"].world_size for p in params if "kv_case" in p]
     kv_workers.prestart(max(sizes, default=1))
 
 
