@@ -112,21 +112,9 @@ def production_vllm_config(
     ``MODEL_SEQ_LIMIT`` tokens.
     """
     import torch
-    from vllm_omni.diffusion.data import OmniDiffusionConfig, TransformerConfig
-    from vllm_omni.diffusion.diffusion_kv.config import DiffusionKVCacheMode
     from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
 
-    kwargs: dict[str, Any] = {
-        "diffusion_kv_mode": DiffusionKVCacheMode.PAGED_SCHEDULER,
-        "max_model_len": max_model_len,
-        "diffusion_kv_max_rows_per_request": 1,
-        "tf_model_config": TransformerConfig(params={
-            "max_position_embeddings": MODEL_SEQ_LIMIT, "model_type": _MODEL_TYPE}),
-    }
-    params = inspect.signature(OmniDiffusionConfig).parameters
-    if "num_gpus" in params:
-        kwargs["num_gpus"] = world_size
-    od_config = OmniDiffusionConfig(**kwargs)
+    od_config = production_od_config(world_size=world_size, max_model_len=max_model_len)
     vllm_config = create_diffusion_vllm_config(torch.device(_device_type(device)), od_config)
     if num_gpu_blocks_override is not None:
         vllm_config.cache_config.num_gpu_blocks_override = num_gpu_blocks_override

@@ -73,8 +73,6 @@ def kv_device(request: pytest.FixtureRequest) -> str:
     return kv_session(request.config).device
 
 
-
-
 # --- adoption fixtures (KV-A): thin; the work is in control_plane.py and workers.py -----
 
 

@@ -165,7 +165,8 @@ def test_l6_block_stride_backend_fails_on_the_control_plane(kv_run,
                                                             pytester: pytest.Pytester) -> None:
     """The True branches of L3-L5 hold; only the production wiring drops the flag."""
     pytester.makeconftest(FAKE_BLOCK_STRIDE)
-    result = kv_run("-k", "kv_l3 or kv_l4 or kv_l5 or kv_l6", "--kv-backend", "FAKE_BS")
+    result = kv_run("-k", "(kv_l3 or kv_l4 or kv_l5 or kv_l6) and not seam",
+                    "--kv-backend", "FAKE_BS")
     result.assert_outcomes(failed=1, passed=3)
     result.stdout.fnmatch_lines([
         "*KV-L6 violated*FAKE_BS*the control plane never receives indexes_kv_by_block_stride;"
@@ -174,8 +175,16 @@ def test_l6_block_stride_backend_fails_on_the_control_plane(kv_run,
 
 
 def test_l3_to_l6_pass_unpatched(kv_run) -> None:
-    result = kv_run("-k", "kv_l3 or kv_l4 or kv_l5 or kv_l6", *SDPA)
+    result = kv_run("-k", "(kv_l3 or kv_l4 or kv_l5 or kv_l6) and not seam", *SDPA)
     result.assert_outcomes(passed=4)
+
+
+def test_l6_seam_reports_the_wiring_gap_for_need_true_only(kv_run) -> None:
+    """vllm-omni 0.30's control plane drops the flag: need_True fails, need_False passes."""
+    result = kv_run("-k", "kv_l6_seam")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*KV-L6 violated [[]backend=need_True, layout=LBNHC[]]: the "
+                                 "control plane never receives indexes_kv_by_block_stride*"])
 
 
 def test_l7_skips_with_reason(kv_run, pytester: pytest.Pytester) -> None:
