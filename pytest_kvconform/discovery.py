@@ -99,7 +99,7 @@ def registry_backends() -> tuple[list[BackendUnderTest], str | None]:
             cls = member.get_class()
         except Exception as exc:
             found.append(BackendUnderTest(member.name, path, "registry", overridden,
-                                          error=f"{describe_error(exc)} (importing {path})"))
+                                          error=describe_error(exc)))
             continue
         found.append(BackendUnderTest(member.name, path, "registry", overridden, cls=cls))
     return found, None
