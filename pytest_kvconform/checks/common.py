@@ -12,6 +12,8 @@ from pytest_kvconform.model import BackendUnderTest
 
 def backend_class(clause: str, backend: BackendUnderTest) -> Any:
     """The backend's class, or the skip that reports why it cannot be imported."""
+    if backend.source == "none":  # nothing was discovered; the reason says why
+        raise ClauseSkip(clause, backend.error or "no backend discovered", SkipKind.ENVIRONMENT)
     if backend.cls is None:
         raise ClauseSkip(clause, f"backend {backend.name} is not importable: {backend.error} "
                          f"(from {backend.source} {backend.path})", SkipKind.BACKEND)

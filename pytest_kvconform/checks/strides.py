@@ -235,14 +235,12 @@ def check_kv_s1(layout: str, case: Case) -> None:
 
 
 def check_kv_s2(layout: str, case: Case, device: str) -> None:
-    """KV-S2: every byte of real views is where the oracle says, in bounds, disjoint.
+    """KV-S2: every byte of ``create_kv_cache_views``' views is where the oracle says.
 
-    ``create_kv_cache_views`` gets the oracle's tensor, so a wrong tensor (KV-S1) cannot
-    hide or cause a view defect here; ``allocate_kv_cache`` gets the planner's config
-    end to end.
+    The views get the oracle's tensor, so a wrong tensor (KV-S1) cannot hide or cause
+    a view defect here.  Upstream only: runs without vllm-omni too.
     """
     where = _Where("KV-S2", case, layout)
-    compat.require_omni(where.clause)
     geom = geometry(case)
     table = oracle.address_table(layout, geom)
     expected = oracle.expected_tensor(layout, geom)
@@ -254,6 +252,17 @@ def check_kv_s2(layout: str, case: Case, device: str) -> None:
     check_views(where, VIEWS_SOURCE, views, whole, base, table, expected.size,
                 dense=not geom.is_padded)
 
+
+def check_kv_s2_allocate(layout: str, case: Case, device: str) -> None:
+    """KV-S2 end to end: ``allocate_kv_cache`` on the planner's config, byte for byte.
+
+    The planner is driven through vllm-omni's production config builder.
+    """
+    where = _Where("KV-S2", case, layout)
+    compat.require_omni(where.clause)
+    geom = geometry(case)
+    table = oracle.address_table(layout, geom)
+    layers = compat.layer_names(case)
     config = where.call(PLANNER_SOURCE, planned_config, case, layout)
     planned = _single_tensor(where, config)
     allocated = where.call(ALLOCATE_SOURCE, compat.allocate_kv_cache, config, device,

@@ -36,6 +36,13 @@ def test_kv_s2(request: pytest.FixtureRequest, kv_layout: str, kv_case: Case,
     run_check(request, strides.check_kv_s2, kv_layout, kv_case, kv_device)
 
 
+@pytest.mark.kv_cases.with_args(_dense)
+def test_kv_s2_allocate(request: pytest.FixtureRequest, kv_layout: str, kv_case: Case,
+                        kv_device: str) -> None:
+    """KV-S2 through the planner and allocate_kv_cache."""
+    run_check(request, strides.check_kv_s2_allocate, kv_layout, kv_case, kv_device)
+
+
 @pytest.mark.kv_cases.with_args(_plain)
 def test_kv_s3(request: pytest.FixtureRequest, kv_layout: str, kv_case: Case) -> None:
     """KV-S3 block- vs layer-outermost packing."""
