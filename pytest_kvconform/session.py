@@ -78,6 +78,10 @@ class KvSession:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
+        report = self.options.report
+        if report is not None and not report.resolve().parent.is_dir():
+            raise pytest.UsageError(f"--kv-report: {report}: directory "
+                                    f"{report.resolve().parent} does not exist")
         try:
             self.cases = cases_mod.load_cases(self.options.cases)
         except cases_mod.CaseFileError as exc:

@@ -166,3 +166,15 @@ def test_ini_keys_enable_the_suite(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:xdist", "-q",
                                 "--collect-only", "-k", "kv_l1")
     result.stdout.fnmatch_lines(["*test_kv_l1[[]ONLY[]]*"])
+
+
+def test_report_into_missing_directory_is_usage_error(kv_run) -> None:
+    result = kv_run("--kv-report", "no/such/dir/r.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kv-report: no/such/dir/r.json: directory*does not exist*"])
+
+
+def test_missing_xfails_file_is_usage_error(kv_run) -> None:
+    result = kv_run("--kv-xfails", "nope.toml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kv-xfails:*nope.toml*"])
