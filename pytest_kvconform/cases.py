@@ -6,9 +6,8 @@ case and the key, so a typo never turns into a silently skipped case.
 
 from __future__ import annotations
 
-import dataclasses
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -109,13 +108,3 @@ def load_cases(extra: Sequence[Path | str] = (), *, builtin: bool = True) -> lis
             seen[case.id] = str(file)
             cases.append(case)
     return cases
-
-
-def select(cases: Iterable[Case], *, world_size: int | None = None) -> list[Case]:
-    """Cases of one world size (all when None), in load order."""
-    return [c for c in cases if world_size is None or c.world_size == world_size]
-
-
-def as_dict(case: Case) -> dict[str, Any]:
-    """A JSON-friendly copy, for reports and worker messages."""
-    return dataclasses.asdict(case)

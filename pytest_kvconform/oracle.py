@@ -12,6 +12,7 @@ numpy + stdlib only, so checks and the report can use it without vLLM installed.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from dataclasses import dataclass, replace
@@ -228,7 +229,7 @@ class OracleTensor:
 
 @dataclass(frozen=True)
 class _Allocation:
-    """The physical array: a grid of pages (axes up to the last of L/B) then the page tail."""
+    """The physical array: a grid of pages (the axes outside the page tail), then the tail."""
 
     order: tuple[str, ...]
     grid_shape: tuple[int, ...]
@@ -240,18 +241,33 @@ class _Allocation:
         return math.prod(self.grid_shape) * self.page_stride
 
 
-def _physical_shape(order: tuple[str, ...], geom: Geometry) -> tuple[int, ...]:
-    logical = dict(zip(LOGICAL_AXES, geom.table_shape, strict=True))
-    return tuple(logical[axis] for axis in order)
+def _extents(geom: Geometry) -> dict[str, int]:
+    """Each logical axis's extent (B and N at kernel grain)."""
+    return dict(zip(LOGICAL_AXES, geom.table_shape, strict=True))
+
+
+def page_tail(layout: LayoutLike) -> tuple[str, ...]:
+    """The physical axes inside one (layer, block) page: the innermost run of H, N and C."""
+    order = physical_order(layout)
+    inner_first = itertools.takewhile(lambda axis: axis not in ("L", "B"), reversed(order))
+    return tuple(inner_first)[::-1]
 
 
 def _allocation(layout: LayoutLike, geom: Geometry) -> _Allocation:
-    """Lay the geometry out physically, or say why it cannot be (OracleUnsupported)."""
+    """Lay the geometry out physically, or say why it cannot be (OracleUnsupported).
+
+    A (layer, block) page is the layout's H/N/C tail and padding is added per page (the
+    contract's definition, not vLLM's stride code), so a padded page can only be placed
+    when every axis outside the tail is L, B or of extent 1: any other axis would repeat
+    the padding inside a page or spread one page over several runs.
+    """
     order = physical_order(layout)
     name = "".join(order)
-    shape = _physical_shape(order, geom)
-    grid_ndim = max(order.index("L"), order.index("B")) + 1
-    grid_shape, tail_shape = shape[:grid_ndim], shape[grid_ndim:]
+    extent = _extents(geom)
+    tail = page_tail(layout)
+    outside = order[: len(order) - len(tail)]
+    grid_shape = tuple(extent[axis] for axis in outside)
+    tail_shape = tuple(extent[axis] for axis in tail)
     page_stride = math.prod(tail_shape)
     if geom.is_padded:
         if geom.kernel_ratio > 1:
@@ -259,8 +275,7 @@ def _allocation(layout: LayoutLike, geom: Geometry) -> _Allocation:
                 f"{name}: padded pages (page_size_padded={geom.page_size_padded}) cannot be "
                 f"split into kernel blocks of {geom.kernel_block_size} tokens"
             )
-        grid = zip(order[:grid_ndim], grid_shape, strict=True)
-        stray = [a for a, n in grid if a not in "LB" and n != 1]
+        stray = [axis for axis in outside if axis not in ("L", "B") and extent[axis] != 1]
         if stray:
             raise OracleUnsupported(
                 f"{name}: page padding needs the axes outside the page tail to be L, B or "

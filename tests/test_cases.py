@@ -55,3 +55,12 @@ def test_duplicate_id_across_files(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(cases.CaseFileError, match="cannot read"):
         cases.load_case_file(tmp_path / "nope.toml")
+
+
+def test_page_bytes_counts_k_and_v_of_every_head_and_token() -> None:
+    seed = next(c for c in cases.load_cases() if c.id == "bf16_h8")
+    assert cases.page_bytes(seed) == 2 * 16 * (8 + 8) * 2  # H * N * (K + V) * bf16 = 1024
+
+
+def test_helpers_without_callers_are_gone() -> None:
+    assert not hasattr(cases, "select") and not hasattr(cases, "as_dict")

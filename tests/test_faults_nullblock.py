@@ -67,6 +67,24 @@ def test_n1_pool_handing_out_the_null_block(kv_run: Callable[..., pytest.RunResu
     _run(kv_run, {"KV-N1": ("did not raise: it handed out block ids [0] (the null block)",)})
 
 
+def test_n1_pool_crashing_when_exhausted(kv_run: Callable[..., pytest.RunResult],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exhausted pool crashes with a RuntimeError: not the ValueError of a refusal."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    original = BlockPool.get_new_blocks
+
+    def crashing(self: Any, num_blocks: int) -> list[Any]:
+        if num_blocks > self.get_num_free_blocks():
+            raise RuntimeError("free list corrupted")
+        return original(self, num_blocks)
+
+    monkeypatch.setattr(BlockPool, "get_new_blocks", crashing)
+    _run(kv_run, {"KV-N1": ("raised RuntimeError: free list corrupted, not the ValueError of "
+                            "an exhausted pool", "expected: 'ValueError'",
+                            "actual:   'RuntimeError: free list corrupted'")})
+
+
 def test_sizing_forgetting_the_null_block(kv_run: Callable[..., pytest.RunResult],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The pre-0.29 sizing: auto-fit and admission both count the null block as usable.

@@ -84,6 +84,42 @@ def fault(monkeypatch):
     monkeypatch.setattr(kcu, "get_kv_cache_config_from_groups", aliasing)
 '''
 
+# S4: an unrelated ValueError where the documented error is due must not count as it:
+# for padded pages in the tensor derivation, for kernel splitting in the views.
+UNRELATED_PADDED = '''
+import pytest
+import vllm_omni.diffusion.diffusion_kv.layout as omni_layout
+
+ORIGINAL = omni_layout.build_kv_cache_tensor
+
+def buggy(spec, num_blocks, layers, *, layout=None, offset=0):
+    if spec.page_size_padded is not None:
+        raise ValueError("unrelated bug")
+    return ORIGINAL(spec, num_blocks, layers, layout=layout, offset=offset)
+
+@pytest.fixture(autouse=True)
+def fault(monkeypatch):
+    monkeypatch.setattr(omni_layout, "build_kv_cache_tensor", buggy)
+'''
+
+UNRELATED_SPLIT = '''
+import pytest
+import vllm.v1.kv_cache_interface as kvi
+
+ORIGINAL = kvi.create_kv_cache_views
+
+def buggy(raw, spec, num_blocks, layout, tensor, kernel_block_size=None):
+    if kernel_block_size is not None and kernel_block_size < spec.block_size:
+        raise ValueError("unrelated bug")
+    return ORIGINAL(raw, spec, num_blocks, layout, tensor, kernel_block_size)
+
+@pytest.fixture(autouse=True)
+def fault(monkeypatch):
+    for where in ("vllm.v1.kv_cache_interface.create_kv_cache_views",
+                  "vllm.v1.worker.utils.create_kv_cache_views"):
+        monkeypatch.setattr(where, buggy)
+'''
+
 
 @dataclass(frozen=True)
 class Fault:
@@ -118,6 +154,18 @@ FAULTS = {
         ("*KV-S4 violated [[]case=padded, layout=LBNHC[]]: vllm-omni build_kv_cache_tensor: "
          "KVCacheTensor.size differs from the oracle*",
          "*expected: {'size': 49152}*", "*actual:   {'size': 32768}*")),
+    "unrelated_padded": Fault(
+        UNRELATED_PADDED, "kv_s4 and padded and (LHBNC or BHLNC)", 2, 0,
+        ("*KV-S4 violated [[]case=padded, layout=BHLNC[]]: vllm-omni build_kv_cache_tensor + "
+         "create_kv_cache_views: raised ValueError: unrelated bug, not the documented error*",
+         "*expected: \"AssertionError containing 'Page padding requires'\"*",
+         "*actual:   'ValueError: unrelated bug'*")),
+    "unrelated_split": Fault(
+        UNRELATED_SPLIT, "kv_s4 and split_k8 and (LHBNC or BLNHC)", 2, 0,
+        ("*KV-S4 violated [[]case=split_k8, layout=BLNHC[]]: vllm-omni build_kv_cache_tensor + "
+         "create_kv_cache_views: raised ValueError: unrelated bug, not the documented error*",
+         "*expected: \"ValueError containing 'does not store blocks as dense, unpadded "
+         "pages'\"*", "*actual:   'ValueError: unrelated bug'*")),
     "alias_in_group": Fault(
         ALIAS_IN_GROUP, "(kv_s1 or kv_s5) and (bf16_h8 or groups2) and LBNHC", 1, 1,
         ("*KV-S5 violated [[]case=groups2, layout=LBNHC[]]: control plane get_kv_cache_configs "

@@ -32,6 +32,7 @@ from pytest_kvconform.oracle import (
     is_block_outermost,
     is_layer_outermost,
     page_start,
+    page_tail,
     physical_order,
 )
 
@@ -241,6 +242,14 @@ def test_padding_with_heads_outside_page_tail_is_unsupported(layout: str) -> Non
         expected_tensor(layout, geom)
     with pytest.raises(OracleUnsupported):
         page_start(layout, geom, 0, 0)
+
+
+@pytest.mark.parametrize(("layout", "tail"), [
+    ("LBHNC", "HNC"), ("LBNHC", "NHC"), ("LHBNC", "NC"),
+    ("BLHNC", "HNC"), ("BLNHC", "NHC"), ("BHLNC", "NC"),
+])
+def test_page_tail_is_the_innermost_run_of_h_n_c(layout: str, tail: str) -> None:
+    assert page_tail(layout) == tuple(tail)
 
 
 def test_padding_with_kernel_split_is_unsupported() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from pytest_kvconform import compat, oracle
 from pytest_kvconform.checks.errors import ClauseFailure
+from pytest_kvconform.checks.geometry import geometry_for, page_stride
 from pytest_kvconform.model import Case
 
 # Extra pages per rank for KV-N5; the smallest is not on rank 0, so "take rank 0's
@@ -28,23 +29,9 @@ class Plan:
     max_model_len: int
 
 
-def geometry(case: Case, num_blocks: int) -> oracle.Geometry:
-    """The oracle's view of the case's single cache group with ``num_blocks`` blocks."""
-    return oracle.Geometry.for_attention(
-        num_layers=case.num_layers,
-        num_blocks=num_blocks,
-        num_kv_heads=case.num_kv_heads,
-        block_size=case.block_size,
-        head_size=case.head_size,
-        dtype=case.dtype,
-        page_size_padded=case.page_size_padded,
-        kernel_block_size=case.kernel_block_size,
-    )
-
-
 def bytes_per_block(case: Case) -> int:
     """Memory one block costs a rank: one (padded) page for every layer."""
-    return geometry(case, 1).page_stride_bytes * case.num_layers
+    return page_stride(case) * case.num_layers
 
 
 def auto_fit_len(case: Case, usable: int) -> int:
@@ -126,15 +113,24 @@ def _check_handed(clause: str, case: Case, pool: Any, handed: list[Any], usable:
 
 
 def _check_refuses(clause: str, case: Case, pool: Any, count: int, taken: int) -> None:
+    """An exhausted pool refuses with the ValueError ``BlockPool.get_new_blocks`` documents.
+
+    Any other exception is a crash, not a refusal, and fails the clause by name.
+    """
+    asked = f"get_new_blocks({count}) with {taken} of {case.num_pages} blocks taken"
     try:
         extra = pool.get_new_blocks(count)
-    except Exception:
+    except ValueError:
         return
+    except Exception as exc:
+        raise ClauseFailure(clause, f"{asked} raised {type(exc).__name__}: {exc}, not the "
+                            "ValueError of an exhausted pool", case=case.id,
+                            expected="ValueError", actual=f"{type(exc).__name__}: {exc}") \
+            from exc
     ids = [b.block_id for b in extra]
     null = " (the null block)" if any(_is_null(pool, b) for b in extra) else ""
-    raise ClauseFailure(clause, f"get_new_blocks({count}) with {taken} of {case.num_pages} "
-                        f"blocks taken did not raise: it handed out block ids {ids}{null}",
-                        case=case.id, expected="an exception", actual=ids)
+    raise ClauseFailure(clause, f"{asked} did not raise: it handed out block ids {ids}{null}",
+                        case=case.id, expected="ValueError", actual=ids)
 
 
 # --- KV-N2 / KV-N3 -----------------------------------------------------------------
@@ -300,7 +296,7 @@ def _check_rank_tensors(clause: str, case: Case, rank: int, rank_pages_: int, co
     if not config.kv_cache_tensors:
         raise ClauseFailure(clause, f"rank {rank}'s KVCacheConfig has no tensors",
                             case=case.id, layout=name)
-    want = oracle.expected_tensor(name, geometry(case, smallest))
+    want = oracle.expected_tensor(name, geometry_for(case, num_blocks=smallest))
     for index, tensor in enumerate(config.kv_cache_tensors):
         for field in ("size", "layer_stride", "block_stride"):
             actual, expected = getattr(tensor, field), getattr(want, field)
