@@ -20,8 +20,10 @@ from typing import Any
 
 from pytest_kvconform.checks.errors import ClauseSkip, SkipKind
 from pytest_kvconform.model import Case
+from pytest_kvconform.oracle import PHYSICAL_LAYOUTS
 
-LAYOUT_NAMES: tuple[str, ...] = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+# The six physical layouts of the contract (the oracle parses them from their letters).
+LAYOUT_NAMES: tuple[str, ...] = PHYSICAL_LAYOUTS
 # A placeholder model type: init_kv_cache reads hf_config.model_type.
 _MODEL_TYPE = "kvconform"
 # The sequence limit the synthetic "model" declares; auto-fit may lower it.
@@ -490,6 +492,37 @@ def kv_cache_config_with_layout(name: str) -> Any:
     return config
 
 
+@contextlib.contextmanager
+def backend_selected(name: str, path: str) -> Iterator[str]:
+    """The name under which production selects this backend, for the duration.
+
+    A registry member is selected by its own name.  Any other backend (a
+    stand-in, a hook or entry-point backend) is plugged in the way a backend
+    repository does it, as a ``register_diffusion_backend`` override of a
+    registry member, so a control plane that resolves the selected name through
+    the registry finds it; the previous override is restored afterwards.
+    """
+    from vllm_omni.diffusion.attention.backends.registry import (
+        DiffusionAttentionBackendEnum,
+        register_diffusion_backend,
+    )
+
+    members = DiffusionAttentionBackendEnum.__members__
+    if name in members:
+        yield name
+        return
+    member = members.get("TORCH_SDPA") or next(iter(DiffusionAttentionBackendEnum))
+    previous = member.get_path() if member.is_overridden() else None
+    register_diffusion_backend(member, path)
+    try:
+        yield member.name
+    finally:
+        if previous is None:
+            member.clear_override()
+        else:
+            register_diffusion_backend(member, previous)
+
+
 def production_od_config(*, attention_backend: str | None = None, world_size: int = 1,
                          max_model_len: int = -1) -> Any:
     """The ``OmniDiffusionConfig`` of a paged diffusion model served with ``attention_backend``.
@@ -516,53 +549,7 @@ def production_od_config(*, attention_backend: str | None = None, world_size: in
     return OmniDiffusionConfig(**kwargs)
 
 
-class _RecordingExecutor:
-    """The three executor calls the control plane makes, answered from fixed specs."""
-
-    def __init__(self, specs: list[dict[str, Any]], memory: list[int]) -> None:
-        self.specs = specs
-        self.memory = memory
-        self.worker_configs: list[Any] | None = None
-        self.max_model_len: int | None = None
-
-    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
-        return self.specs
-
-    def determine_available_kv_memory(self, profile_requests: Any) -> list[int]:
-        return self.memory
-
-    def set_kv_cache_configs(self, worker_configs: list[Any], max_model_len: int) -> None:
-        self.worker_configs = list(worker_configs)
-        self.max_model_len = max_model_len
-
-
-def run_production_control_plane(od_config: Any, specs: list[dict[str, Any]],
-                                 available_memory: list[int], device: str = "cpu",
-                                 ) -> tuple[Any, list[Any], Any]:
-    """Run ``initialize_diffusion_kv_control_plane`` against a recording executor.
-
-    Returns ``(vllm_config, worker configs the executor received, scheduler
-    config)``.  The profile request is opaque to the control plane (it only
-    hands it to the executor), so a placeholder stands in for it.
-    """
-    import torch
-
-    module = importlib.import_module("vllm_omni.diffusion.diffusion_kv.initialization")
-    control_plane = getattr(module, "initialize_diffusion_kv_control_plane", None)
-    if control_plane is None:
-        raise ClauseSkip("KV-L6", "installed vllm-omni has no "
-                         "initialize_diffusion_kv_control_plane", SkipKind.ENVIRONMENT)
-    executor = _RecordingExecutor(specs, available_memory)
-    result = control_plane(executor, od_config, profile_requests=[object()],
-                           device=torch.device(_device_type(device)))
-    if result is None:
-        raise ClauseSkip("KV-L6", "the control plane declined to run for a paged diffusion "
-                         "config (returned None)", SkipKind.ENVIRONMENT)
-    scheduler_config, vllm_config = result[0], result[-1]
-    return vllm_config, executor.worker_configs or [], scheduler_config
-
-
-# --- adoption (KV-A): the executor's wire and the sizing spy ----------------------
+# --- adoption (KV-A): the executor's wire -------------------------------------
 
 EXECUTOR_RPC_METHOD = "set_kv_cache_configs"
 
@@ -637,32 +624,6 @@ def executor_wire_decode(frames: Sequence[bytes]) -> Any:
     except (ImportError, AttributeError):
         return pickle.loads(frames[0], buffers=list(frames[1:]))
     return recv(_FrameSource(frames), None)
-
-
-@contextlib.contextmanager
-def sizing_spy() -> Iterator[list[str | None]]:
-    """Record the layout pinned on the config each time the control plane sizes.
-
-    Wraps ``get_kv_cache_configs`` where vllm-omni's control plane looks it up
-    (its ``initialization`` module), restoring it on exit.  Empty when the
-    installed control plane sizes through another name.
-    """
-    module = importlib.import_module("vllm_omni.diffusion.diffusion_kv.initialization")
-    seen: list[str | None] = []
-    original = getattr(module, "get_kv_cache_configs", None)
-    if original is None:
-        yield seen
-        return
-
-    def spy(vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append(getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None))
-        return original(vllm_config, *args, **kwargs)
-
-    module.get_kv_cache_configs = spy
-    try:
-        yield seen
-    finally:
-        module.get_kv_cache_configs = original
 
 
 def device_free_memory(device: str) -> int | None:

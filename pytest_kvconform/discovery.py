@@ -12,12 +12,12 @@ name: every xdist worker must collect the same tests.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
+from pytest_kvconform import compat
 from pytest_kvconform.model import BackendUnderTest
 
 ENTRY_POINT_GROUP = "pytest_kvconform.backends"
@@ -34,7 +34,6 @@ class Discovery:
 
     backends: list[BackendUnderTest] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    omni_error: str | None = None
 
     @property
     def names(self) -> list[str]:
@@ -48,14 +47,18 @@ class Discovery:
 
 
 def describe_error(exc: BaseException) -> str:
-    """``ImportError: No module named 'x'`` - never an empty string."""
+    """``ImportError: No module named 'x'`` - never an empty string.
+
+    A bare re-raise (``raise ImportError`` inside ``except``) says nothing itself;
+    the exception it replaced does, so that one is named too.
+    """
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else f"{type(exc).__name__} (no message)"
-
-
-def omni_installed() -> bool:
-    """True when vllm-omni can be found, without importing it."""
-    return importlib.util.find_spec("vllm_omni") is not None
+    if text:
+        return f"{type(exc).__name__}: {text}"
+    inner = exc.__cause__ or exc.__context__
+    if inner is not None and inner is not exc:
+        return f"{type(exc).__name__} (caused by {describe_error(inner)})"
+    return f"{type(exc).__name__} (no message)"
 
 
 def import_object(spec: str) -> Any:
@@ -78,7 +81,7 @@ def _path_of(cls: Any) -> str:
 
 def registry_backends() -> tuple[list[BackendUnderTest], str | None]:
     """Every ``DiffusionAttentionBackendEnum`` member, importable or not."""
-    if not omni_installed():
+    if not compat.omni_installed():
         return [], OMNI_MISSING
     try:
         from vllm_omni.diffusion.attention.backends.registry import (
@@ -88,8 +91,8 @@ def registry_backends() -> tuple[list[BackendUnderTest], str | None]:
         return [], f"vllm-omni registry not importable: {describe_error(exc)}"
     found = []
     for member in DiffusionAttentionBackendEnum:
-        overridden = bool(member.is_overridden())
         try:
+            overridden = bool(member.is_overridden())
             path = member.get_path()
         except Exception as exc:
             found.append(BackendUnderTest(member.name, "", "registry", overridden,
@@ -160,7 +163,13 @@ def entry_point_backends() -> list[BackendUnderTest]:
         if isinstance(obj, type):
             found.append(BackendUnderTest(ep.name, _path_of(obj), "entry-point", cls=obj))
         elif callable(obj):
-            found.extend(_from_mapping(obj(), "entry-point"))
+            try:
+                mapping = obj()
+            except Exception as exc:
+                found.append(BackendUnderTest(ep.name, ep.value, "entry-point",
+                                              error=f"calling it raised {describe_error(exc)}"))
+                continue
+            found.extend(_from_mapping(mapping, "entry-point"))
         else:
             raise DiscoveryError(f"{source} loads {obj!r}; expected a class or a callable "
                                  "returning a mapping")
@@ -177,7 +186,6 @@ def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
     if include_registry:
         found, reason = registry()
         result.backends.extend(found)
-        result.omni_error = reason
         if reason:
             result.notes.append(reason)
         else:

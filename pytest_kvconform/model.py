@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CLAUSE_RE = re.compile(r"^KV-[LSNA][0-9]+$")
+# user_properties key carrying a ClauseSkip's kind from the test to the report.
+SKIP_KIND_PROPERTY = "kv_skip_kind"
 
 
 def clause_from_test_name(name: str) -> str | None:

@@ -94,43 +94,9 @@ def kv_control_plane(request: pytest.FixtureRequest, kv_device: str) -> Any:
     return build
 
 
-class KvWorkers:
-    """``kv_workers(n)``: n pooled worker processes, one per device, rank order.
-
-    Each ``adopt_and_init`` starts from the worker's own fresh, unpinned config.
-    ``for_world_size(n)`` returns the reason (a str) instead of skipping.
-    """
-
-    def __init__(self, device: str, gpu_ids: list[str]) -> None:
-        self.device = device
-        self.gpu_ids = gpu_ids
-
-    def for_world_size(self, n: int) -> Any:
-        from pytest_kvconform import workers
-        from pytest_kvconform.devices import devices_for_world_size
-
-        devices = devices_for_world_size(n, self.device, self.gpu_ids)
-        return devices if isinstance(devices, str) else workers.pool().get(devices)
-
-    def prestart(self, n: int) -> None:
-        """Start up to n workers now, so their ~20 s imports overlap other work."""
-        from pytest_kvconform import workers
-        from pytest_kvconform.devices import devices_for_world_size
-
-        for size in range(n, 0, -1):
-            devices = devices_for_world_size(size, self.device, self.gpu_ids)
-            if not isinstance(devices, str):
-                workers.pool().prestart(devices)
-                return
-
-    def __call__(self, n: int = 1) -> Any:
-        handles = self.for_world_size(n)
-        if isinstance(handles, str):
-            pytest.skip(handles)
-        return handles
-
-
 @pytest.fixture(scope="session")
-def kv_workers(request: pytest.FixtureRequest, kv_device: str) -> KvWorkers:
-    """Factory of pooled worker processes (see :class:`KvWorkers`)."""
+def kv_workers(request: pytest.FixtureRequest, kv_device: str) -> Any:
+    """Factory of pooled worker processes (see ``workers.KvWorkers``)."""
+    from pytest_kvconform.workers import KvWorkers
+
     return KvWorkers(kv_device, list(kv_session(request.config).gpu_ids))

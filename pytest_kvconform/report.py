@@ -13,8 +13,9 @@ Verdict rule (:func:`compute_verdict`):
 
 * non-strict: qualified iff at least one result ran and none failed or errored
   (an xpass or a skip does not disqualify);
-* strict (``--kv-strict``): additionally every xpass and every skip whose kind
-  is not ``hardware`` disqualifies.
+* strict (``--kv-strict``): additionally every xpass disqualifies, and every
+  skip unless its kind is ``hardware`` or ``not-applicable`` or an xfails entry
+  declares it (``xfail`` on the result).
 
 Clauses with a hardware skip are listed as ``uncovered`` in both modes.
 """

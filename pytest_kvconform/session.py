@@ -6,6 +6,7 @@ report all live here, so that ``plugin.py`` stays free of heavy imports.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from typing import Any
@@ -15,9 +16,13 @@ import pytest
 from pytest_kvconform import cases as cases_mod
 from pytest_kvconform import compat
 from pytest_kvconform.discovery import Discovery, DiscoveryError, discover
-from pytest_kvconform.model import BackendUnderTest, Case, clause_from_test_name
+from pytest_kvconform.model import (
+    SKIP_KIND_PROPERTY,
+    BackendUnderTest,
+    Case,
+    clause_from_test_name,
+)
 from pytest_kvconform.options import Options
-from pytest_kvconform.suite.runner import SKIP_KIND_PROPERTY
 
 PROPERTIES = ("kv_clause", "kv_backend", "kv_case", "kv_layout", "kv_device")
 NO_BACKEND_ID = "no-backend"
@@ -34,7 +39,11 @@ class KvSession:
         self.cases: list[Case] = []
         self.results: list[dict[str, Any]] = []
         self.xfails: list[Any] = []
+        # describe() ids of xfail entries that named a collected test (any process).
+        self.xfail_matched: set[str] = set()
         self.discovery_seconds = 0.0
+        self.all_backend_names: set[str] = set()
+        self.fault: str | None = None
         self.device = "cpu"
         self.gpu_ids: list[str] = []
         self._setup_device()
@@ -47,13 +56,15 @@ class KvSession:
         from pytest_kvconform import workers
 
         workers.release()
+        if self._logging_level_set:
+            os.environ.pop("VLLM_LOGGING_LEVEL", None)
 
     # -- set-up -----------------------------------------------------------------
 
     def _setup_device(self) -> None:
-        import os
-
         # vLLM logs every config it builds at INFO; the suite builds hundreds.
+        # Restored in pytest_unconfigure.
+        self._logging_level_set = "VLLM_LOGGING_LEVEL" not in os.environ
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from pytest_kvconform import devices
 
@@ -78,6 +89,15 @@ class KvSession:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
+        from pytest_kvconform import workers
+
+        try:
+            self.fault = workers.active_fault()
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        if self.fault and self.options.strict:
+            raise pytest.UsageError(f"--kv-strict: refusing to qualify with the seeded worker "
+                                    f"fault ${workers.FAULT_ENV}={self.fault} set")
         report = self.options.report
         if report is not None and not report.resolve().parent.is_dir():
             raise pytest.UsageError(f"--kv-report: {report}: directory "
@@ -107,6 +127,7 @@ class KvSession:
                 raise pytest.UsageError(f"--kv-xfails: {exc}") from None
 
     def _select_backends(self) -> None:
+        self.all_backend_names = set(self.discovery.names)
         wanted = self.options.backends
         if not wanted:
             return
@@ -130,6 +151,9 @@ class KvSession:
             f"kvconform: {len(self.cases)} cases: {', '.join(c.id for c in self.cases)}",
         ]
         lines += [f"kvconform: note: {note}" for note in self.discovery.notes]
+        if self.fault:
+            lines.append(f"kvconform: WARNING: seeded worker fault {self.fault!r} is active "
+                         "(KVCONFORM_WORKER_FAULT); results do not qualify anything")
         return lines
 
     # -- collection -------------------------------------------------------------
@@ -152,7 +176,9 @@ class KvSession:
             selected = [c for c in self.cases if marker is None or marker.args[0](c)]
             metafunc.parametrize("kv_case", selected, ids=[c.id for c in selected])
 
-    @pytest.hookimpl(trylast=True)
+    # tryfirst: every collected test counts for stale-entry detection, also those
+    # that -k or -m deselect afterwards.
+    @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
         for item in items:
@@ -170,6 +196,7 @@ class KvSession:
                                 device_kind=self.device.split(":")[0],
                                 test=getattr(item, "originalname", item.name))
             if entry is not None:
+                self.xfail_matched.add(entry.describe())
                 # Kept on the item too: a declared test that skips still names its entry.
                 item.user_properties.append((XFAIL_PROPERTY, entry.describe()))
                 item.add_marker(pytest.mark.xfail(reason=f"known: {entry.reason} "
@@ -205,13 +232,25 @@ class KvSession:
             return []
         from pytest_kvconform import xfails
 
-        matched = {r.get("xfail") for r in self.results if r.get("xfail")}
-        return xfails.stale_entries(self.xfails, matched, versions=_versions_for_xfails(),
+        selected = set(self.discovery.names)
+        # An entry for a backend left out by --kv-backend is not stale, just unselected.
+        candidates = [e for e in self.xfails if e.backend == "*" or e.backend in selected
+                      or e.backend not in self.all_backend_names]
+        return xfails.stale_entries(candidates, self.xfail_matched,
+                                    versions=_versions_for_xfails(),
                                     device_kind=self.device.split(":")[0])
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        """xdist controller: collect the entries each worker matched at collection."""
+        output = getattr(node, "workeroutput", None) or {}
+        self.xfail_matched.update(output.get("kvconform_xfail_matched", ()))
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        if getattr(self.config, "workerinput", None) is not None:
+        workeroutput = getattr(self.config, "workeroutput", None)
+        if workeroutput is not None:  # an xdist worker: hand matches to the controller
+            workeroutput["kvconform_xfail_matched"] = sorted(self.xfail_matched)
             return
         from pytest_kvconform import report as report_mod
 

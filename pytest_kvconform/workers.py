@@ -12,11 +12,18 @@ Protocol: one dict per message over a ``multiprocessing.Pipe``; the child answer
 Commands: ``ping``, ``adopt_and_init``, ``write_pattern``, ``read_back``,
 ``free_memory``, ``release``, ``shutdown`` (and ``crash``, for the harness's tests).
 
+Placement: a worker runs on ``"cpu"`` or on ``"gpu:<id>"``, a
+``CUDA_VISIBLE_DEVICES`` entry the child sets in its own environment before
+anything imports torch, so it sees exactly one GPU, as ``cuda:0`` (an xdist
+worker's narrowed ``CUDA_VISIBLE_DEVICES`` is not inherited).  A plain torch
+device string (``"cuda:1"``) inherits the parent's environment.
+
 Seeded faults reach the child through the command, not through monkeypatching
 (which a spawned child never sees): the parent forwards ``$KVCONFORM_WORKER_FAULT``
-(``skip_adoption`` or ``wrong_offset``) with every command.
+(``skip_adoption`` or ``wrong_offset``) with every command; :func:`active_fault`
+says which one is active, so a qualification run can refuse it.
 
-Stdlib only at import (numpy, torch and ``compat`` are imported where used).
+Stdlib only at import (numpy, torch, pytest and ``compat`` are imported where used).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -49,6 +57,9 @@ COMMAND_TIMEOUT_S = 120.0
 _STDERR_TAIL_CHARS = 4000
 
 
+GPU_PREFIX = "gpu:"
+
+
 class WorkerError(RuntimeError):
     """A worker could not answer: it died, timed out, or its command raised."""
 
@@ -59,6 +70,56 @@ class WorkerDied(WorkerError):
 
 class WorkerCommandError(WorkerError):
     """The command raised inside the worker; the message carries the child's traceback."""
+
+
+def active_fault() -> str | None:
+    """The seeded worker fault ``$KVCONFORM_WORKER_FAULT`` names, or None; unknown ones raise.
+
+    Validated here, not in the child, so a typo never runs as a silent no-fault
+    run and a session can print (or refuse) the fault before any worker starts.
+    """
+    value = os.environ.get(FAULT_ENV) or None
+    if value is not None and value not in FAULTS:
+        raise ValueError(f"${FAULT_ENV}={value!r} is not a known worker fault; expected one of "
+                         f"{', '.join(FAULTS)} (or unset)")
+    return value
+
+
+def child_device(placement: str) -> tuple[str, str | None]:
+    """(torch device inside the child, ``CUDA_VISIBLE_DEVICES`` it sets or None)."""
+    if placement.startswith(GPU_PREFIX):
+        gpu_id = placement[len(GPU_PREFIX):]
+        if not gpu_id:
+            raise ValueError(f"worker placement {placement!r} names no GPU id")
+        return "cuda:0", gpu_id
+    return placement, None
+
+
+def rank_placements(n: int, device: str, gpu_ids: Sequence[str],
+                    environ: dict[str, str] | None = None) -> list[str] | str:
+    """Where each of ``n`` ranks runs, this process's GPU first; or the reason to skip.
+
+    ``gpu_ids`` are the ids the session may use (``CUDA_VISIBLE_DEVICES`` entries
+    as the controller sees them); this process's own GPU is read from its
+    (possibly xdist-narrowed) ``CUDA_VISIBLE_DEVICES``.  Each CUDA rank gets a
+    distinct id; when this process's id cannot be told, the devices fall back to
+    torch device strings that inherit this environment.
+    """
+    from pytest_kvconform import devices
+
+    chosen = devices.devices_for_world_size(n, device, list(gpu_ids))
+    if isinstance(chosen, str) or device == "cpu":
+        return chosen
+    env = os.environ if environ is None else environ
+    visible = devices.visible_gpu_ids(env, lambda: len(gpu_ids))
+    index = int(device.partition(":")[2] or 0)
+    if index >= len(visible):
+        return chosen
+    own = visible[index]
+    ids = [own, *(g for g in gpu_ids if g != own)][:n]
+    if len(ids) < n:
+        return f"needs {n} CUDA devices, {len(ids)} distinct visible"
+    return [f"{GPU_PREFIX}{g}" for g in ids]
 
 
 # --- the pattern both sides agree on -------------------------------------------------
@@ -100,14 +161,16 @@ class WorkerHandle:
 
     def __init__(self, key: tuple[str, int], *, preload: Sequence[str], workdir: str) -> None:
         self.key = key
-        self.device = key[0]
-        self.stderr_path = os.path.join(workdir, f"worker-{key[0].replace(':', '_')}-{key[1]}.log")
+        self.placement = key[0]
+        self.device, self.gpu_id = child_device(self.placement)
+        label = re.sub(r"[^A-Za-z0-9_.-]", "_", self.placement)
+        self.stderr_path = os.path.join(workdir, f"worker-{label}-{key[1]}.log")
         ctx = multiprocessing.get_context("spawn")
-        self.start_method = ctx.get_start_method()
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, self.device, self.stderr_path, tuple(preload)),
-            name=f"kvconform-worker-{key[0]}-{key[1]}", daemon=True)
+            target=_worker_main,
+            args=(child_conn, self.device, self.stderr_path, tuple(preload), self.gpu_id),
+            name=f"kvconform-worker-{label}-{key[1]}", daemon=True)
         self.process.start()
         child_conn.close()
         self.ready = False
@@ -122,7 +185,7 @@ class WorkerHandle:
         return self.process.is_alive()
 
     def __repr__(self) -> str:
-        return f"<worker {self.device} slot {self.key[1]} pid {self.pid}>"
+        return f"<worker {self.placement} slot {self.key[1]} pid {self.pid}>"
 
     # -- messaging --
 
@@ -134,7 +197,7 @@ class WorkerHandle:
 
     def send(self, message: dict[str, Any]) -> None:
         self.wait_ready()
-        message = {**message, "fault": os.environ.get(FAULT_ENV) or None}
+        message = {**message, "fault": active_fault()}
         try:
             self.conn.send(message)
         except (BrokenPipeError, EOFError, OSError):
@@ -234,14 +297,37 @@ class WorkerHandle:
 
 def broadcast_adopt(handles: Sequence[WorkerHandle], frames: Sequence[bytes], **options: Any,
                     ) -> list[dict[str, Any]]:
-    """Send the same frames to every rank at once (as the executor does), then collect."""
+    """Send the same frames to every rank at once (as the executor does), then collect.
+
+    Every reply that was asked for is read before the first error is raised, so
+    no rank's pipe is left holding a stale reply for its next request.
+    """
+    sent: list[WorkerHandle] = []
+    error: WorkerError | None = None
     for rank, handle in enumerate(handles):
-        handle.send_adopt(frames, rank, **options)
-    return [dict(handle.receive("adopt_and_init")) for handle in handles]
+        try:
+            handle.send_adopt(frames, rank, **options)
+        except WorkerError as exc:
+            error = exc
+            break
+        sent.append(handle)
+    replies = []
+    for handle in sent:
+        try:
+            replies.append(handle.receive("adopt_and_init"))
+        except WorkerError as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return [dict(reply) for reply in replies]
 
 
 class WorkerPool:
-    """Workers keyed by (device, slot): slot i is the i-th rank placed on that device."""
+    """Workers keyed by (placement, slot): slot i is the i-th rank placed there.
+
+    A placement is ``"cpu"``, ``"gpu:<CUDA_VISIBLE_DEVICES id>"`` or a torch
+    device string (see :func:`child_device`).
+    """
 
     def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
         self.preload = tuple(preload)
@@ -320,11 +406,54 @@ def close_pool() -> None:
 atexit.register(close_pool)
 
 
+class KvWorkers:
+    """``kv_workers(n)``: n pooled worker processes, one per device, rank order.
+
+    Each ``adopt_and_init`` starts from the worker's own fresh, unpinned config.
+    ``for_world_size(n)`` returns the reason (a str) instead of skipping.
+    """
+
+    def __init__(self, device: str, gpu_ids: list[str]) -> None:
+        self.device = device
+        self.gpu_ids = gpu_ids
+
+    def for_world_size(self, n: int) -> list[WorkerHandle] | str:
+        placements = rank_placements(n, self.device, self.gpu_ids)
+        return placements if isinstance(placements, str) else pool().get(placements)
+
+    def prestart(self, n: int) -> None:
+        """Start up to n workers now, so their ~20 s imports overlap other work."""
+        for size in range(n, 0, -1):
+            placements = rank_placements(size, self.device, self.gpu_ids)
+            if not isinstance(placements, str):
+                pool().prestart(placements)
+                return
+
+    def __call__(self, n: int = 1) -> list[WorkerHandle]:
+        import pytest
+
+        handles = self.for_world_size(n)
+        if isinstance(handles, str):
+            pytest.skip(handles)
+        return handles
+
+
 # --- child side ------------------------------------------------------------------------
 
 
-def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str]) -> None:
-    """Entry point of a spawned worker: redirect output, import, answer until told to stop."""
+def process_identity() -> dict[str, Any]:
+    """Who this process is, as seen from inside it: the proof of a process boundary."""
+    return {"pid": os.getpid(), "ppid": os.getppid(),
+            "has_parent_process": multiprocessing.parent_process() is not None,
+            "start_method": multiprocessing.get_start_method(allow_none=True),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str],
+                 gpu_id: str | None = None) -> None:
+    """Entry point of a spawned worker: pin its GPU, redirect output, import, answer."""
+    if gpu_id is not None:  # first, before anything can import torch or touch CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_id
     import faulthandler
     import sys
 
@@ -341,7 +470,7 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
         traceback.print_exc()
         conn.send({"ok": False, "error": repr(exc), "traceback": traceback.format_exc()})
         return
-    conn.send({"ok": True, "result": {"pid": os.getpid(), "device": device,
+    conn.send({"ok": True, "result": {**process_identity(), "device": device,
                                       "import_s": round(time.monotonic() - started, 2)}})
     state = _WorkerState(device)
     while True:
@@ -375,7 +504,7 @@ class _WorkerState:
     def handle(self, message: dict[str, Any]) -> Any:
         cmd = message["cmd"]
         if cmd == "ping":
-            return {"pid": os.getpid(), "device": self.device}
+            return {**process_identity(), "device": self.device}
         if cmd == "crash":
             os.write(2, str(message.get("text", "")).encode() + b"\n")
             os._exit(int(message.get("code", 3)))
@@ -410,7 +539,7 @@ class _WorkerState:
         config = configs[rank]  # as DiffusionWorker.set_kv_cache_configs picks its own
         vllm_config = compat.production_vllm_config(self.device, world_size=len(configs))
         report: dict[str, Any] = {
-            "pid": os.getpid(), "rank": rank, "method": rpc.get("method"),
+            **process_identity(), "rank": rank, "method": rpc.get("method"),
             "num_configs": len(configs),
             "fresh_layout": vllm_config.cache_config.kv_cache_layout,
             "received": config_summary(config), "adopted": None, "adopt_error": None,

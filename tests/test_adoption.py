@@ -1,12 +1,18 @@
-"""KV-A check helpers that need no worker: page selection for the probes."""
+"""KV-A check helpers that need no worker: page selection, offsets, process identity."""
 
 from __future__ import annotations
+
+import os
+from types import SimpleNamespace
 
 import pytest
 
 from pytest_kvconform import oracle
 from pytest_kvconform.checks import adoption
+from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip
 from pytest_kvconform.model import Case
+
+RUN = adoption._Run("KV-A3", True, "need=True", Case(id="x", file="f"))
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC", "LBHNC"])
@@ -37,3 +43,44 @@ def test_pages_cover_the_boundaries_and_are_seeded() -> None:
     assert {(0, 0), (0, 15), (1, 0), (1, 15)} <= set(pages)
     assert len(pages) > 4 and pages == adoption._pages(case, 2, 16)
     assert all(0 <= layer < 2 and 0 <= block < 16 for layer, block in pages)
+
+
+def test_expected_offset_is_zero_and_production_offset_is_asserted() -> None:
+    tensor = SimpleNamespace(offset=0, layers=["l0", "l1"])
+    assert adoption._expected_offset(RUN, "rank 0", tensor, "LBNHC") == 0
+    with pytest.raises(ClauseFailure, match=r"KV-A3 violated.*rank 0 KVCacheTensor\.offset") as e:
+        adoption._expected_offset(RUN, "rank 0", SimpleNamespace(offset=64, layers=["l0"]),
+                                  "LBNHC")
+    assert (e.value.expected, e.value.actual) == (0, 64)
+    two_groups = adoption._Run("KV-A1", True, "x", Case(id="g2", file="f", num_groups=2))
+    with pytest.raises(ClauseSkip, match="2 KV cache groups"):
+        adoption._expected_offset(two_groups, "rank 0", tensor, "LBNHC")
+
+
+def test_sized_for_fails_on_a_shifted_offset_with_otherwise_oracle_strides() -> None:
+    """The oracle gets 0, not production's offset: a shifted tensor cannot pass KV-A1."""
+    case = Case(id="x", file="f")
+    config = SimpleNamespace(num_blocks=16, kv_cache_tensors=[])
+    geom = adoption._geometry(case, config, 2)
+    good = oracle.expected_tensor("LBNHC", geom, 0)
+    shifted = oracle.expected_tensor("LBNHC", geom, 512)  # self-consistent, but not at 0
+    run = adoption._Run("KV-A1", False, "need=False", case)
+    for want, tensor in ((None, good), ("offset", shifted)):
+        config.kv_cache_tensors = [SimpleNamespace(layers=["a", "b"], **vars(tensor))]
+        if want is None:
+            adoption._sized_for(run, "rank 0", config, "LBNHC")
+        else:
+            with pytest.raises(ClauseFailure, match=r"KVCacheTensor\.offset is not 0"):
+                adoption._sized_for(run, "rank 0", config, "LBNHC")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("pid", os.getpid()), ("ppid", 1), ("has_parent_process", False), ("start_method", "fork"),
+    ("ppid", None)])
+def test_process_boundary_is_checked_from_the_workers_own_report(field: str,
+                                                                 value: object) -> None:
+    report = {"pid": os.getpid() + 1, "ppid": os.getpid(), "has_parent_process": True,
+              "start_method": "spawn"}
+    adoption._crossed_process_boundary(RUN, 0, report, "LBNHC")
+    with pytest.raises(ClauseFailure, match=rf"rank 0: the worker .*\({field}\)"):
+        adoption._crossed_process_boundary(RUN, 0, {**report, field: value}, "LBNHC")

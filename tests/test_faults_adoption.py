@@ -53,6 +53,10 @@ FORGETS_TO_STAMP = "for c in (*rank_configs, scheduler_config): c.kv_cache_layou
 OTHER_NAME = ("for c in rank_configs: "
               "c.kv_cache_layout = c.kv_cache_layout[:2] + 'HN' + c.kv_cache_layout[4:]")
 
+# Self-consistent (size grows with it), so only an expected offset of 0 can catch it.
+SHIFTED_OFFSET = ("for t in (c.kv_cache_tensors[0] for c in rank_configs): "
+                  "t.offset += 512; t.size += 512")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _shared_workers():
@@ -103,6 +107,16 @@ def test_config_named_other_than_pinned_fails_kv_a1_and_a3(pytester: pytest.Pyte
     result.stdout.fnmatch_lines(["*KV-A1 violated*not stamped with the pinned layout*",
                                  "*expected: 'LBNHC'*", "*actual:   'LBHNC'*"])
     result.stdout.fnmatch_lines(["*KV-A3 violated*layout=BLNHC*first difference*"])
+
+
+def test_shifted_tensor_offset_fails_kv_a1_and_a3(pytester: pytest.Pytester, kv_run) -> None:
+    """The oracle is not fed production's offset: a single group starts at byte 0."""
+    _conftest(pytester, CONTROL_PLANE_FAULT.format(body=SHIFTED_OFFSET))
+    result = kv_run(*SDPA, "-k", "(kv_a1 or kv_a3) and bf16_h8")
+    result.assert_outcomes(failed=6)
+    result.stdout.fnmatch_lines(["*KV-A1 violated*rank 0 KVCacheTensor.offset is not 0*",
+                                 "*expected: 0*", "*actual:   512*"])
+    result.stdout.fnmatch_lines(["*KV-A3 violated*rank 0 KVCacheTensor.offset is not 0*"])
 
 
 def test_worker_that_skips_adoption_fails_kv_a4_disagreement_control(

@@ -47,8 +47,21 @@ class TouchesCuda:
         return False
 
 
+class TouchesCudaRaw:
+    @classmethod
+    def indexes_kv_by_block_stride(cls):
+        return torch.cuda.current_device() >= 0  # raises on a CPU-only build
+
+
+class Raises:
+    @classmethod
+    def indexes_kv_by_block_stride(cls):
+        raise RuntimeError("registry not ready")
+
+
 def pytest_kvconform_backends(config):
-    return {"INT_FLAG": IntFlag, "FLIPPING": Flipping, "TOUCHES_CUDA": TouchesCuda}
+    return {"INT_FLAG": IntFlag, "FLIPPING": Flipping, "TOUCHES_CUDA": TouchesCuda,
+            "TOUCHES_CUDA_RAW": TouchesCudaRaw, "RAISES": Raises}
 '''
 
 FAKE_BLOCK_STRIDE = '''
@@ -93,12 +106,15 @@ def _resolver(pytester: pytest.Pytester, body: str) -> None:
 def test_l1_faults_fail_and_registry_passes(kv_run, pytester: pytest.Pytester) -> None:
     pytester.makeconftest(FAKE_L1)
     result = kv_run("-k", "kv_l1", "--kv-backend", "INT_FLAG", "--kv-backend", "FLIPPING",
-                    "--kv-backend", "TOUCHES_CUDA", *SDPA)
-    result.assert_outcomes(failed=3, passed=1)
+                    "--kv-backend", "TOUCHES_CUDA", "--kv-backend", "TOUCHES_CUDA_RAW",
+                    "--kv-backend", "RAISES", *SDPA)
+    result.assert_outcomes(failed=5, passed=1)
     result.stdout.fnmatch_lines_random([
         "*KV-L1 violated*INT_FLAG*returned 1 of type int; a real bool is required*",
         "*KV-L1 violated*FLIPPING*changes its answer between calls*",
-        "*KV-L1 violated*TOUCHES_CUDA*initialised a CUDA context*",
+        "*KV-L1 violated*TOUCHES_CUDA[]]*initialised a CUDA context*",
+        "*KV-L1 violated*TOUCHES_CUDA_RAW*initialised a CUDA context*",
+        "*KV-L1 violated*RAISES*raised: RuntimeError('registry not ready')*",
     ])
 
 
@@ -271,3 +287,11 @@ def test_l8_passes_when_resolution_conforms(kv_run, pytester: pytest.Pytester) -
     pytester.makeconftest(CONFORMING_L8)
     result = kv_run("-k", "kv_l8", *SDPA)
     result.assert_outcomes(passed=4)
+
+
+def test_l6_stand_in_override_is_restored(kv_run) -> None:
+    """The seam's stand-in is plugged in as a registry override only for the call."""
+    from vllm_omni.diffusion.attention.backends.registry import DiffusionAttentionBackendEnum
+
+    kv_run("-k", "kv_l6_seam")
+    assert not DiffusionAttentionBackendEnum.TORCH_SDPA.is_overridden()

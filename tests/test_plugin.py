@@ -178,3 +178,17 @@ def test_missing_xfails_file_is_usage_error(kv_run) -> None:
     result = kv_run("--kv-xfails", "nope.toml")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--kv-xfails:*nope.toml*"])
+
+
+def test_seeded_worker_fault_is_announced_and_refused_in_strict_mode(
+        kv_run, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCONFORM_WORKER_FAULT", "skip_adoption")
+    result = kv_run("--kv-strict")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*refusing to qualify with the seeded worker fault*"])
+    result = kv_run("--collect-only", "-k", "kv_l1")
+    result.stdout.fnmatch_lines(["*WARNING: seeded worker fault 'skip_adoption' is active*"])
+    monkeypatch.setenv("KVCONFORM_WORKER_FAULT", "typo")
+    result = kv_run("--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*KVCONFORM_WORKER_FAULT='typo' is not a known worker fault*"])

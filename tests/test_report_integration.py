@@ -108,3 +108,44 @@ def test_junit_properties(pytester: pytest.Pytester, kv_run) -> None:
     xml = (pytester.path / "j.xml").read_text()
     assert '<property name="kv_clause" value="KV-L1"' in xml
     assert '<property name="kv_backend" value="INT_FLAG"' in xml
+
+
+def test_deselected_or_unselected_entries_are_not_stale(pytester: pytest.Pytester,
+                                                        kv_run) -> None:
+    """-k deselection and --kv-backend selection never make an entry look stale."""
+    pytester.makeconftest(BACKENDS)
+    xf = pytester.makefile(".toml", known='''
+        [[xfail]]
+        backend = "INT_FLAG"
+        clause = "KV-L1"
+        reason = "returns an int"
+
+        [[xfail]]
+        backend = "GOOD"
+        clause = "KV-L2"
+        reason = "deselected by -k below"
+    ''')
+    result = kv_run("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-xfails", str(xf))
+    result.assert_outcomes(passed=1)
+    assert "stale xfail entry" not in result.stdout.str()
+
+
+def test_stale_detection_under_xdist(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(BACKENDS)
+    xf = pytester.makefile(".toml", known='''
+        [[xfail]]
+        backend = "INT_FLAG"
+        clause = "KV-L1"
+        reason = "returns an int"
+
+        [[xfail]]
+        backend = "*"
+        clause = "KV-L5"
+        test = "test_kv_l5_nothing"
+        reason = "names no test"
+    ''')
+    result = pytester.runpytest("--kv-conformance", "-p", "no:cacheprovider", *SELECT,
+                                "-n", "2", "--kv-xfails", str(xf))
+    result.assert_outcomes(passed=1, xfailed=1)
+    result.stdout.fnmatch_lines(["*stale xfail entry known.toml:2 */KV-L5/test_kv_l5_nothing*"])
+    assert "known.toml:1" not in result.stdout.str()

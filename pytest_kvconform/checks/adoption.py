@@ -133,11 +133,28 @@ def _geometry(case: Case, config: Any, layers: int) -> oracle.Geometry:
         page_size_padded=case.page_size_padded)
 
 
+def _expected_offset(run: _Run, who: str, tensor: Any, layout: str | None) -> int:
+    """The byte offset of a single-group tensor's first page: 0, from first principles.
+
+    One group owns the whole allocation, so its first page starts at byte 0;
+    production's ``offset`` is asserted against that, never fed to the oracle.
+    """
+    if run.case.num_groups != 1:
+        raise ClauseSkip(run.clause, f"case {run.case.id} has {run.case.num_groups} KV cache "
+                         "groups; the expected tensor offset is derived for one group only",
+                         SkipKind.NOT_APPLICABLE)
+    if tensor.offset != 0:
+        raise run.fail(f"the {who} KVCacheTensor.offset is not 0, although its one KV cache "
+                       "group owns the whole allocation", layout=layout, expected=0,
+                       actual=tensor.offset)
+    return 0
+
+
 def _sized_for(run: _Run, who: str, config: Any, layout: str) -> None:
     """The sizing agrees with the pinned layout: strides are the oracle's for it."""
     for tensor in config.kv_cache_tensors:
         geom = _geometry(run.case, config, len(tensor.layers))
-        want = oracle.expected_tensor(layout, geom, tensor.offset)
+        want = oracle.expected_tensor(layout, geom, _expected_offset(run, who, tensor, layout))
         got = oracle.OracleTensor(tensor.size, tensor.layer_stride, tensor.block_stride,
                                   tensor.offset)
         if got != want:
@@ -155,11 +172,8 @@ def check_kv_a2(source: Source, case: Case, workers: Workers) -> None:
     cp = _control_plane(run, handles[0].device)
     _frames, wire = compat.executor_wire_encode(cp.rpc_message())
     reports = _adopt(run, cp, handles)
-    for rank, (handle, report) in enumerate(zip(handles, reports, strict=True)):
-        if report["pid"] == os.getpid() or handle.start_method != "spawn":
-            raise run.fail(f"rank {rank} did not run in a spawned process", layout=cp.pinned,
-                           expected="a spawned child", actual=(report["pid"],
-                                                               handle.start_method))
+    for rank, report in enumerate(reports):
+        _crossed_process_boundary(run, rank, report, cp.pinned)
         if report["fresh_layout"] is not None:
             raise run.fail(f"rank {rank}: the worker's own config started pinned",
                            layout=cp.pinned, expected=None, actual=report["fresh_layout"])
@@ -172,6 +186,22 @@ def check_kv_a2(source: Source, case: Case, workers: Workers) -> None:
     if wire != "vllm MessageQueue.enqueue":
         raise ClauseSkip(run.clause, f"the executor's serialiser could not be driven; the "
                          f"configs crossed as {wire}", SkipKind.ENVIRONMENT)
+
+
+def _crossed_process_boundary(run: _Run, rank: int, report: dict[str, Any],
+                              layout: str | None) -> None:
+    """The worker says, from inside, that it is a spawned child of this process."""
+    me = os.getpid()
+    seen = {key: report.get(key) for key in ("pid", "ppid", "has_parent_process",
+                                             "start_method")}
+    want = {"pid": f"not {me}", "ppid": me, "has_parent_process": True, "start_method": "spawn"}
+    if seen["pid"] == me:
+        raise run.fail(f"rank {rank}: the worker ran in the test process (pid)",
+                       layout=layout, expected=want, actual=seen)
+    for key in ("ppid", "has_parent_process", "start_method"):
+        if seen[key] != want[key]:
+            raise run.fail(f"rank {rank}: the worker is not a spawned child of the test "
+                           f"process ({key})", layout=layout, expected=want, actual=seen)
 
 
 def _first_field_difference(run: _Run, cp: ControlPlane, rank: int, sent: dict[str, Any],
@@ -210,7 +240,7 @@ def check_kv_a5(source: Source, case: Case, workers: Workers) -> None:
     pids = [h.pid for h in handles]
     if len(set(pids)) != len(pids):
         raise run.fail("ranks share a worker process", expected="distinct pids", actual=pids)
-    devices = [h.device for h in handles]
+    devices = [h.placement for h in handles]
     if devices[0] != "cpu" and len(set(devices)) != len(devices):
         raise run.fail("ranks share a device", expected="one device per rank", actual=devices)
     cp, reports = _adopt_write_verify(run, handles)
@@ -301,7 +331,7 @@ def _verify_pattern(run: _Run, cp: ControlPlane, rank: int, handle: WorkerHandle
     geom = _geometry(run.case, config, len(tensor.layers))
     pages = list(pages) if pages is not None else _pages(run.case, geom.num_layers,
                                                          geom.num_blocks)
-    addresses = _Addresses(layout, geom, tensor.offset)
+    addresses = _Addresses(layout, geom, _expected_offset(run, f"rank {rank}", tensor, layout))
     page_addrs = {p: addresses.page(*p) for p in pages}
     nbytes = int(report["storage_nbytes"])
     if nbytes <= _FULL_READ_LIMIT:
@@ -425,7 +455,8 @@ def check_kv_a6(source: Source, case: Case, device: str, workers: Callable[[], W
             tensor = cp.rank_configs[rank].kv_cache_tensors[0]
             layout = cp.pinned or config.kv_cache_layout
             geom = _geometry(case, cp.rank_configs[rank], len(tensor.layers))
-            pages = _far_pages(layout, geom, tensor.offset)
+            pages = _far_pages(layout, geom, _expected_offset(run, f"rank {rank}", tensor,
+                                                              layout))
             _verify_pattern(run, cp, rank, handle, report, pages)
     finally:
         for handle in handles:

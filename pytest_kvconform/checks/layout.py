@@ -10,6 +10,7 @@ from typing import Any
 from pytest_kvconform import compat, oracle
 from pytest_kvconform.checks.common import backend_class, cuda_init_recorder, declared_need
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind
+from pytest_kvconform.control_plane import run_production_control_plane
 from pytest_kvconform.model import BackendUnderTest, Case
 
 DEFAULT_LAYOUT = "LBNHC"
@@ -28,14 +29,25 @@ def check_kv_l1(backend: BackendUnderTest) -> None:
         raise ClauseFailure(clause, f"indexes_kv_by_block_stride is {method!r}, not callable",
                             backend=backend.name)
     answers = []
+    error: Exception | None = None
     with cuda_init_recorder() as cuda_calls:
         for _ in range(_CALLS):
             try:
                 answers.append(method())
-            except TypeError as exc:
-                raise ClauseFailure(clause, "indexes_kv_by_block_stride() cannot be called on "
-                                    f"the class with no arguments: {exc}",
-                                    backend=backend.name) from exc
+            except Exception as exc:  # judged below, after the device question
+                error = exc
+                break
+    # A declaration that reaches for CUDA fails on a CPU build with an unrelated
+    # error; the device access is the finding, so it is reported first.
+    if cuda_calls:
+        raise ClauseFailure(clause, "indexes_kv_by_block_stride() initialised a CUDA context; "
+                            "the declaration must need no device", backend=backend.name,
+                            expected="no CUDA initialisation", actual=cuda_calls)
+    if error is not None:
+        how = ("cannot be called on the class with no arguments" if isinstance(error, TypeError)
+               else "raised")
+        raise ClauseFailure(clause, f"indexes_kv_by_block_stride() {how}: {error!r}",
+                            backend=backend.name) from error
     first = answers[0]
     if type(first) is not bool:
         raise ClauseFailure(clause, f"indexes_kv_by_block_stride() returned {first!r} of type "
@@ -44,10 +56,6 @@ def check_kv_l1(backend: BackendUnderTest) -> None:
     if any(a is not first for a in answers):
         raise ClauseFailure(clause, "indexes_kv_by_block_stride() changes its answer between "
                             "calls", backend=backend.name, expected=first, actual=answers)
-    if cuda_calls:
-        raise ClauseFailure(clause, "indexes_kv_by_block_stride() initialised a CUDA context; "
-                            "the declaration must need no device", backend=backend.name,
-                            expected="no CUDA initialisation", actual=cuda_calls)
 
 
 def check_kv_l2(backend: BackendUnderTest) -> None:
@@ -283,11 +291,12 @@ def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
     specs = compat.worker_specs(case)
     page = compat.page_bytes(next(iter(specs[0].values())))
     memory = [page * case.num_layers * _PROBE_PAGES] * case.world_size
-    od_config = compat.production_od_config(attention_backend=backend.name,
-                                            world_size=case.world_size)
     try:
-        vllm_config, worker_configs, scheduler_config = compat.run_production_control_plane(
-            od_config, specs, memory, device)
+        with compat.backend_selected(backend.name, backend.path) as selected:
+            od_config = compat.production_od_config(attention_backend=selected,
+                                                    world_size=case.world_size)
+            vllm_config, worker_configs, scheduler_config = run_production_control_plane(
+                od_config, specs, memory, device)
     except ClauseSkip:
         raise
     except Exception as exc:

@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.checks.errors import ClauseSkip
-
-SKIP_KIND_PROPERTY = "kv_skip_kind"
+from pytest_kvconform.model import SKIP_KIND_PROPERTY
 
 
 def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args: Any,
