@@ -53,5 +53,12 @@ class _KeepInstalledModules(_pytester_mod.SysModulesSnapshot):
         super().__init__(preserve=keep)
 
 
+_ORIGINAL_SNAPSHOT = _pytester_mod.SysModulesSnapshot
+
+
 def pytest_configure(config: pytest.Config) -> None:
     _pytester_mod.SysModulesSnapshot = _KeepInstalledModules  # type: ignore[misc]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _pytester_mod.SysModulesSnapshot = _ORIGINAL_SNAPSHOT  # type: ignore[misc]

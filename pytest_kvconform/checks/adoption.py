@@ -18,6 +18,7 @@ from typing import Any
 from pytest_kvconform import compat, oracle
 from pytest_kvconform.checks.common import declared_need
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind
+from pytest_kvconform.checks.geometry import geometry_for
 from pytest_kvconform.control_plane import ControlPlane, build_control_plane
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.workers import (
@@ -127,10 +128,8 @@ def check_kv_a1(source: Source, case: Case, device: str = "cpu") -> None:
 
 
 def _geometry(case: Case, config: Any, layers: int) -> oracle.Geometry:
-    return oracle.Geometry.for_attention(
-        num_layers=layers, num_blocks=config.num_blocks, num_kv_heads=case.num_kv_heads,
-        block_size=case.block_size, head_size=case.head_size, dtype=case.dtype,
-        page_size_padded=case.page_size_padded)
+    """Manager-block grain, as ``KVCacheTensor`` strides are."""
+    return geometry_for(case, num_blocks=config.num_blocks, num_layers=layers, kernel=False)
 
 
 def _expected_offset(run: _Run, who: str, tensor: Any, layout: str | None) -> int:
