@@ -46,6 +46,30 @@ def omni_installed() -> bool:
     return importlib.util.find_spec("vllm_omni") is not None
 
 
+# The vllm-omni modules the control-plane clauses drive, beyond the registry.
+PRODUCTION_MODULES = ("vllm_omni.diffusion.diffusion_kv.layout",
+                      "vllm_omni.diffusion.vllm_config",
+                      "vllm_omni.diffusion.diffusion_kv.initialization")
+
+
+@cache
+def production_import_error() -> str | None:
+    """Why vllm-omni's production control plane cannot be imported here, or None.
+
+    A vllm-omni release built for another vLLM can import its registry yet not
+    its control plane; saying so once, up front, explains the clause failures.
+    """
+    if not omni_installed():
+        return None
+    for name in PRODUCTION_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            return (f"importing {name} fails on vllm {version_of('vllm')} with vllm-omni "
+                    f"{version_of('vllm-omni')}: {type(exc).__name__}: {exc}")
+    return None
+
+
 def require_omni(clause: str) -> None:
     """Raise the standard skip when a clause needs vllm-omni and it is absent."""
     if not omni_installed():

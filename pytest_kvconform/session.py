@@ -151,6 +151,10 @@ class KvSession:
             f"kvconform: {len(self.cases)} cases: {', '.join(c.id for c in self.cases)}",
         ]
         lines += [f"kvconform: note: {note}" for note in self.discovery.notes]
+        broken = compat.production_import_error()
+        if broken:
+            lines.append(f"kvconform: WARNING: vllm-omni's production control plane does not "
+                         f"import; clauses that drive it will fail: {broken}")
         if self.fault:
             lines.append(f"kvconform: WARNING: seeded worker fault {self.fault!r} is active "
                          "(KVCONFORM_WORKER_FAULT); results do not qualify anything")
