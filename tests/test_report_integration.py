@@ -24,6 +24,13 @@ class IntFlag:
 def pytest_kvconform_backends(config):
     return {"GOOD": Good, "INT_FLAG": IntFlag}
 '''
+# The one expected failure most tests declare: INT_FLAG's KV-L1.
+INT_FLAG_ENTRY = '''
+[[xfail]]
+backend = "INT_FLAG"
+clause = "KV-L1"
+reason = "returns an int"
+'''
 SELECT = ("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-backend", "INT_FLAG")
 
 
@@ -61,12 +68,7 @@ def test_report_is_the_same_under_xdist(pytester: pytest.Pytester, kv_run) -> No
 
 def test_xfails_match_and_stale_entry_warned(pytester: pytest.Pytester, kv_run) -> None:
     pytester.makeconftest(BACKENDS)
-    xf = pytester.makefile(".toml", known='''
-        [[xfail]]
-        backend = "INT_FLAG"
-        clause = "KV-L1"
-        reason = "returns an int"
-
+    xf = pytester.makefile(".toml", known=INT_FLAG_ENTRY + '''
         [[xfail]]
         backend = "NOT_THERE"
         clause = "KV-L2"
@@ -114,12 +116,7 @@ def test_deselected_or_unselected_entries_are_not_stale(pytester: pytest.Pyteste
                                                         kv_run) -> None:
     """-k deselection and --kv-backend selection never make an entry look stale."""
     pytester.makeconftest(BACKENDS)
-    xf = pytester.makefile(".toml", known='''
-        [[xfail]]
-        backend = "INT_FLAG"
-        clause = "KV-L1"
-        reason = "returns an int"
-
+    xf = pytester.makefile(".toml", known=INT_FLAG_ENTRY + '''
         [[xfail]]
         backend = "GOOD"
         clause = "KV-L2"
@@ -132,12 +129,7 @@ def test_deselected_or_unselected_entries_are_not_stale(pytester: pytest.Pyteste
 
 def test_stale_detection_under_xdist(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(BACKENDS)
-    xf = pytester.makefile(".toml", known='''
-        [[xfail]]
-        backend = "INT_FLAG"
-        clause = "KV-L1"
-        reason = "returns an int"
-
+    xf = pytester.makefile(".toml", known=INT_FLAG_ENTRY + '''
         [[xfail]]
         backend = "*"
         clause = "KV-L5"
