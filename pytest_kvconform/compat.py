@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -19,7 +18,7 @@ from functools import cache
 from typing import Any
 
 from pytest_kvconform.checks.errors import ClauseSkip, SkipKind
-from pytest_kvconform.model import Case
+from pytest_kvconform.model import Case, installed_version
 from pytest_kvconform.oracle import PHYSICAL_LAYOUTS
 
 # The six physical layouts of the contract (the oracle parses them from their letters).
@@ -30,16 +29,8 @@ _MODEL_TYPE = "kvconform"
 MODEL_SEQ_LIMIT = 4096
 
 
-def version_of(dist: str) -> str | None:
-    """Installed distribution version, without importing it."""
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def versions() -> dict[str, str | None]:
-    return {name: version_of(name) for name in ("torch", "vllm", "vllm-omni", "pytest")}
+    return {name: installed_version(name) for name in ("torch", "vllm", "vllm-omni", "pytest")}
 
 
 def omni_installed() -> bool:
@@ -65,8 +56,8 @@ def production_import_error() -> str | None:
         try:
             importlib.import_module(name)
         except Exception as exc:
-            return (f"importing {name} fails on vllm {version_of('vllm')} with vllm-omni "
-                    f"{version_of('vllm-omni')}: {type(exc).__name__}: {exc}")
+            return (f"importing {name} fails on vllm {installed_version('vllm')} with vllm-omni "
+                    f"{installed_version('vllm-omni')}: {type(exc).__name__}: {exc}")
     return None
 
 

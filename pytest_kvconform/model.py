@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any
 
 CLAUSE_RE = re.compile(r"^KV-[LSNA][0-9]+$")
 # user_properties key carrying a ClauseSkip's kind from the test to the report.
 SKIP_KIND_PROPERTY = "kv_skip_kind"
+
+
+def installed_version(dist: str) -> str | None:
+    """A distribution's installed version, read from metadata (nothing is imported)."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def clause_from_test_name(name: str) -> str | None:

@@ -32,12 +32,11 @@ import subprocess
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
-from importlib import metadata
 from pathlib import Path, PurePath
 from typing import Any
 
 from pytest_kvconform import CONTRACT_VERSION
-from pytest_kvconform.model import CLAUSE_RE
+from pytest_kvconform.model import CLAUSE_RE, installed_version
 
 SCHEMA = "pytest-kvconform/report/1"
 STATUSES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
@@ -101,22 +100,15 @@ def environment_info(options: Mapping[str, Any], seed: int | None) -> dict[str, 
     """
     return {
         "python": platform.python_version(),
-        "torch": _dist_version("torch"),
-        "vllm": _dist_version("vllm"),
-        "vllm_omni": _dist_version("vllm-omni"),
+        "torch": installed_version("torch"),
+        "vllm": installed_version("vllm"),
+        "vllm_omni": installed_version("vllm-omni"),
         "platform": platform.platform(),
         "devices": _probe_devices(),
         "host": socket.gethostname(),
         "options": _jsonable(dict(sorted(options.items()))),
         "seed": seed,
     }
-
-
-def _dist_version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _probe_devices() -> list[dict[str, Any]]:

@@ -24,7 +24,6 @@ from pytest_kvconform.model import (
 )
 from pytest_kvconform.options import Options
 
-PROPERTIES = ("kv_clause", "kv_backend", "kv_case", "kv_layout", "kv_device")
 NO_BACKEND_ID = "no-backend"
 XFAIL_PROPERTY = "kv_xfail"
 
@@ -58,6 +57,11 @@ class KvSession:
         workers.release()
         if self._logging_level_set:
             os.environ.pop("VLLM_LOGGING_LEVEL", None)
+
+    @property
+    def device_kind(self) -> str:
+        """``cpu`` or ``cuda``, what xfail entries condition on."""
+        return self.device.split(":")[0]
 
     # -- set-up -----------------------------------------------------------------
 
@@ -185,6 +189,7 @@ class KvSession:
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
+        versions = _versions_for_xfails()  # once, not per item
         for item in items:
             props = item_properties(item, self.device)
             if props is None:
@@ -196,8 +201,8 @@ class KvSession:
 
             entry = first_match(self.xfails, backend=props["kv_backend"],
                                 clause=props["kv_clause"], case=props["kv_case"],
-                                layout=props["kv_layout"], versions=_versions_for_xfails(),
-                                device_kind=self.device.split(":")[0],
+                                layout=props["kv_layout"], versions=versions,
+                                device_kind=self.device_kind,
                                 test=getattr(item, "originalname", item.name))
             if entry is not None:
                 self.xfail_matched.add(entry.describe())
@@ -242,7 +247,7 @@ class KvSession:
                       or e.backend not in self.all_backend_names]
         return xfails.stale_entries(candidates, self.xfail_matched,
                                     versions=_versions_for_xfails(),
-                                    device_kind=self.device.split(":")[0])
+                                    device_kind=self.device_kind)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
