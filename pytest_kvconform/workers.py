@@ -42,6 +42,8 @@ import traceback
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from pytest_kvconform.model import declaring
+
 FAULT_ENV = "KVCONFORM_WORKER_FAULT"
 FAULTS = ("skip_adoption", "wrong_offset")
 # What a suite worker imports before it reports ready: the cost is paid once, at start-up.
@@ -556,7 +558,7 @@ class _WorkerState:
                 report["adopted"] = compat.adopt_layout(vllm_config, config).name
                 if message.get("need") is not None:
                     compat.assert_backend_layout_supported(vllm_config,
-                                                           _declaring(bool(message["need"])))
+                                                           declaring(bool(message["need"])))
             except Exception as exc:
                 report["adopt_error"] = _error(exc)
                 return report
@@ -614,8 +616,3 @@ class _WorkerState:
         for start, nbytes in message["regions"]:
             out.append(raw[start:start + nbytes].cpu().numpy().tobytes())
         return out
-
-
-def _declaring(need: bool) -> type:
-    """A stand-in backend class declaring ``need`` (the parent resolved the real one)."""
-    return type("DeclaredNeed", (), {"indexes_kv_by_block_stride": classmethod(lambda cls: need)})

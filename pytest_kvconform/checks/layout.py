@@ -11,7 +11,7 @@ from pytest_kvconform import compat, oracle
 from pytest_kvconform.checks.common import backend_class, cuda_init_recorder, declared_need
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind
 from pytest_kvconform.control_plane import run_production_control_plane
-from pytest_kvconform.model import BackendUnderTest, Case
+from pytest_kvconform.model import BackendUnderTest, Case, declaring
 
 DEFAULT_LAYOUT = "LBNHC"
 _CALLS = 3
@@ -330,26 +330,10 @@ def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
                         "a layer-outermost layout", actual=pinned)
 
 
-class DeclaresLayerStride:
-    """A stand-in backend for the control plane's explicit seam: needs LBNHC."""
-
-    @classmethod
-    def indexes_kv_by_block_stride(cls) -> bool:
-        return False
-
-
-class DeclaresBlockStride:
-    """A stand-in backend that needs a block-outermost layout; no in-tree backend does yet."""
-
-    @classmethod
-    def indexes_kv_by_block_stride(cls) -> bool:
-        return True
-
-
 def seam_backend(need: bool) -> BackendUnderTest:
     """A backend declaring ``need``, so KV-L6 covers both needs even while the
     registry declares only False (a wiring gap would otherwise stay invisible)."""
-    cls = DeclaresBlockStride if need else DeclaresLayerStride
+    cls = declaring(need)
     return BackendUnderTest(f"need_{need}", f"{cls.__module__}.{cls.__qualname__}", "synthetic",
                             cls=cls)
 
