@@ -10,7 +10,7 @@ from typing import Any
 from pytest_kvconform import compat, oracle
 from pytest_kvconform.checks.common import backend_class, cuda_init_recorder, declared_need
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind
-from pytest_kvconform.control_plane import run_production_control_plane
+from pytest_kvconform.control_plane import default_memory, run_production_control_plane
 from pytest_kvconform.model import BackendUnderTest, Case, declaring
 
 DEFAULT_LAYOUT = "LBNHC"
@@ -99,7 +99,6 @@ def check_kv_l2(backend: BackendUnderTest) -> None:
 # The control plane's probe model (KV-L6): which layout gets pinned is the point,
 # not sizing, which KV-S and KV-N cover.
 _PROBE_CASE = Case(id="kv_l6_probe", file="<kv_l6>")
-_PROBE_PAGES = 16
 # VLLM_KV_CACHE_LAYOUT values per need: (consistent, contradicting).  The
 # consistent one is never the resolver's default for that need, so a variable
 # that is silently ignored cannot pass by coincidence.
@@ -289,8 +288,7 @@ def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
     need = declared_need(clause, backend)
     case = _PROBE_CASE
     specs = compat.worker_specs(case)
-    page = compat.page_bytes(next(iter(specs[0].values())))
-    memory = [page * case.num_layers * _PROBE_PAGES] * case.world_size
+    memory = [default_memory(case)] * case.world_size
     try:
         with compat.backend_selected(backend.name, backend.path) as selected:
             od_config = compat.production_od_config(attention_backend=selected,
