@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-# Version of ../shared/contract.md that the clause ids refer to.  Reports of
+# Version of contract.md (shipped in this package) that the clause ids refer to.  Reports of
 # different contract versions are not merged.
 CONTRACT_VERSION = "1"
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from functools import cache
 from typing import Any
 
-from pytest_kvconform.checks.errors import ClauseSkip, SkipKind
+from pytest_kvconform.outcomes import ClauseSkip, SkipKind
 from pytest_kvconform.model import Case, installed_version
 from pytest_kvconform.oracle import PHYSICAL_LAYOUTS
 

@@ -23,8 +23,11 @@ from pytest_kvconform.model import (
     clause_from_test_name,
 )
 from pytest_kvconform.options import Options
+from pytest_kvconform.outcomes import ClauseFailure
 
 NO_BACKEND_ID = "no-backend"
+# How pytest prefixes a ClauseFailure's message in a crash line.
+_FAILURE_PREFIX = f"{ClauseFailure.__module__}.{ClauseFailure.__qualname__}: "
 XFAIL_PROPERTY = "kv_xfail"
 
 
@@ -345,8 +348,7 @@ def result_record(report: pytest.TestReport) -> dict[str, Any] | None:
     elif status in ("failed", "error"):
         crash = getattr(report.longrepr, "reprcrash", None)
         reason = crash.message if crash is not None else str(report.longrepr)
-        reason = reason.split(": ", 1)[1] if reason.startswith(
-            "pytest_kvconform.checks.errors.ClauseFailure: ") else reason
+        reason = reason.removeprefix(_FAILURE_PREFIX)
     elif wasxfail is not None:
         reason = str(wasxfail).removeprefix("reason: ")
     return {

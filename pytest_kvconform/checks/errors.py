@@ -1,58 +1,13 @@
-"""The two outcomes a clause check raises besides passing."""
+"""The outcomes a clause check raises besides passing (defined in ``outcomes``)."""
 
 from __future__ import annotations
 
-from enum import StrEnum
+from pytest_kvconform.outcomes import (
+    ClauseFailure,
+    ClauseSkip,
+    ErrorKind,
+    HarnessError,
+    SkipKind,
+)
 
-
-class SkipKind(StrEnum):
-    """Why a clause could not run; strict qualification forgives only HARDWARE."""
-
-    HARDWARE = "hardware"  # no CUDA, fewer devices than the world size, kernel device absent
-    ENVIRONMENT = "environment"  # a package (vllm-omni) not installed
-    BACKEND = "backend"  # the backend failed to import
-    NOT_APPLICABLE = "not-applicable"  # the clause does not apply to this backend/case
-
-
-class ClauseFailure(AssertionError):
-    """A contract clause does not hold.
-
-    The message names the clause, the backend or case, and the first
-    difference (expected vs actual), so a reader needs no debugger.
-    """
-
-    def __init__(
-        self,
-        clause: str,
-        detail: str,
-        *,
-        backend: str | None = None,
-        case: str | None = None,
-        layout: str | None = None,
-        expected: object = None,
-        actual: object = None,
-    ) -> None:
-        self.clause = clause
-        self.detail = detail
-        self.backend = backend
-        self.case = case
-        self.layout = layout
-        self.expected = expected
-        self.actual = actual
-        where = ", ".join(
-            f"{k}={v}" for k, v in (("backend", backend), ("case", case), ("layout", layout)) if v
-        )
-        msg = f"{clause} violated" + (f" [{where}]" if where else "") + f": {detail}"
-        if expected is not None or actual is not None:
-            msg += f"\n  expected: {expected!r}\n  actual:   {actual!r}"
-        super().__init__(msg)
-
-
-class ClauseSkip(Exception):
-    """A clause cannot be checked here; the reason is reported, never dropped."""
-
-    def __init__(self, clause: str, reason: str, kind: SkipKind = SkipKind.ENVIRONMENT) -> None:
-        self.clause = clause
-        self.reason = reason
-        self.kind = kind
-        super().__init__(f"{clause}: {reason}")
+__all__ = ["ClauseFailure", "ClauseSkip", "ErrorKind", "HarnessError", "SkipKind"]

@@ -1,0 +1,93 @@
+"""The outcomes a check can have besides passing: the bottom of the package.
+
+Stdlib only, and it imports nothing of ours: adapters (compat, control_plane),
+the worker harness, the checks and the front-ends all raise or read these.
+
+- :class:`ClauseFailure`: the contract does not hold (the backend or the installed
+  code is wrong).
+- :class:`ClauseSkip`: the clause cannot be checked here; :class:`SkipKind` says why.
+- :class:`HarnessError`: the harness itself failed (a worker died or timed out, an
+  allocation ran out of memory, the plugin raised).  Never blamed on a backend: the
+  report shows it as status ``error`` with its :class:`ErrorKind`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class SkipKind(StrEnum):
+    """Why a clause could not run; strict qualification forgives only some kinds."""
+
+    HARDWARE = "hardware"  # no CUDA, fewer devices than the world size, kernel device absent
+    ENVIRONMENT = "environment"  # a package (vllm-omni) not installed
+    BACKEND = "backend"  # the backend failed to import
+    NOT_APPLICABLE = "not-applicable"  # the clause does not apply to this backend/case
+
+
+class ErrorKind(StrEnum):
+    """What kind of harness fault turned a test into an error."""
+
+    WORKER_DIED = "worker-died"
+    TIMEOUT = "timeout"
+    OOM = "oom"
+    HARNESS = "harness"
+
+
+class ClauseFailure(AssertionError):
+    """A contract clause does not hold.
+
+    The message names the clause, the backend or case, and the first
+    difference (expected vs actual), so a reader needs no debugger.
+    """
+
+    def __init__(
+        self,
+        clause: str,
+        detail: str,
+        *,
+        backend: str | None = None,
+        case: str | None = None,
+        layout: str | None = None,
+        expected: object = None,
+        actual: object = None,
+    ) -> None:
+        self.clause = clause
+        self.detail = detail
+        self.backend = backend
+        self.case = case
+        self.layout = layout
+        self.expected = expected
+        self.actual = actual
+        where = ", ".join(
+            f"{k}={v}" for k, v in (("backend", backend), ("case", case), ("layout", layout)) if v
+        )
+        msg = f"{clause} violated" + (f" [{where}]" if where else "") + f": {detail}"
+        if expected is not None or actual is not None:
+            msg += f"\n  expected: {expected!r}\n  actual:   {actual!r}"
+        super().__init__(msg)
+
+
+class ClauseSkip(Exception):
+    """A clause cannot be checked here; the reason is reported, never dropped."""
+
+    def __init__(self, clause: str, reason: str, kind: SkipKind = SkipKind.ENVIRONMENT) -> None:
+        self.clause = clause
+        self.reason = reason
+        self.kind = kind
+        super().__init__(f"{clause}: {reason}")
+
+
+class HarnessError(RuntimeError):
+    """The harness failed, not the backend: reported as an error of ``kind``.
+
+    Subclasses (the worker harness's ``WorkerDied``, ``WorkerTimeout``, ...) set
+    ``kind``; the front-ends turn any of them into status ``error``.
+    """
+
+    kind: ErrorKind = ErrorKind.HARNESS
+
+    def __init__(self, message: str, *, kind: ErrorKind | None = None) -> None:
+        if kind is not None:
+            self.kind = kind
+        super().__init__(message)
