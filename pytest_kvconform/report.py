@@ -309,6 +309,7 @@ def validate_report(obj: Any) -> None:
     Besides shapes and types, the summary, verdict and uncovered list must
     agree with the results: a hand-edited verdict is caught here.
     """
+    key: Any  # a backend's key (str), then a result's sort key (tuple)
     _expect_keys(obj, "$", _TOP_KEYS)
     if obj["schema"] != SCHEMA:
         raise ReportError("$.schema", f"expected {SCHEMA!r}, got {obj['schema']!r}")
