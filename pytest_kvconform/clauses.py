@@ -12,8 +12,10 @@ the plugin, the report, the plain Python API (:mod:`pytest_kvconform.api`) and
 the tests may all read it.
 
 Adding a clause is two edits: a ``check_kv_<x><n>`` function in ``checks/`` and
-a :class:`Clause` row in :data:`CLAUSES` (plus its suite test while the suite
-is still written by hand; ``tests/test_clauses.py`` says when one is missing).
+a :class:`Clause` row in :data:`CLAUSES`.  ``suite/test_table.py`` then generates
+its pytest test and :func:`pytest_kvconform.check_backend` runs it; the rows
+that predate the table keep their hand-written suite tests (and test ids), which
+``tests/test_clauses.py`` holds to the table.
 """
 
 from __future__ import annotations
