@@ -75,6 +75,8 @@ class _Run:
     who: BackendUnderTest | bool | None
     layout: str | None
     case: Case | None
+    # Set when the selected cases leave this clause nothing to run on: reported, not dropped.
+    no_case: str | None = None
 
     @property
     def backend_label(self) -> str | None:
@@ -112,12 +114,13 @@ def check_backend(
     ValueError naming it; a failing check never raises, it is a result.
     """
     selected = clauses_mod.select(clauses)
-    case_list = _cases(cases)
-    backend = backend_under_test(backend_cls)
     torch_device, gpu_ids = _device(device)
-    plan = list(_plan(selected, backend, case_list, seams=seams))
-    with _quiet_vllm(), _worker_pool(plan, torch_device, gpu_ids) as kv_workers:
-        return [_execute(run, torch_device, kv_workers, memory_fraction) for run in plan]
+    with _quiet_vllm():
+        case_list = _cases(cases)
+        backend = backend_under_test(backend_cls)
+        plan = list(_plan(selected, backend, case_list, seams=seams))
+        with _worker_pool(plan, torch_device, gpu_ids) as kv_workers:
+            return [_execute(run, torch_device, kv_workers, memory_fraction) for run in plan]
 
 
 # --- inputs ----------------------------------------------------------------------------------
@@ -222,6 +225,11 @@ def _plan(selected: Sequence[clauses_mod.Clause], backend: BackendUnderTest,
             layouts: list[str | None] = (list(compat.LAYOUT_NAMES) if "layout" in axes
                                          else [None])
             run_cases: list[Case | None] = list(clause_cases) if "case" in axes else [None]
+            if not run_cases:
+                reason = (f"{clause.id}: none of the selected cases "
+                          f"({', '.join(c.id for c in cases) or 'none'}) is one it runs on")
+                yield from (_Run(clause, check, who, None, None, reason) for who in whos)
+                continue
             for who in whos:
                 for layout in layouts:
                     for case in run_cases:
@@ -292,6 +300,10 @@ def _execute(run: _Run, device: str, kv_workers: Any, memory_fraction: float) ->
     started = time.monotonic()
     skip_kind: SkipKind | None = None
     error_kind: ErrorKind | None = None
+    if run.no_case is not None:  # not forgiven: the caller's selection left nothing to check
+        return CheckResult(clause=run.clause.id, backend=run.backend_label, case=None,
+                           layout=None, status="skipped", message=run.no_case,
+                           test=run.test_id)
     try:
         check = run.check.resolve()
         check(*_arguments(run, device, kv_workers, memory_fraction))

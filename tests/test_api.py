@@ -99,6 +99,15 @@ def test_bad_input_is_one_clear_error(kwargs: dict[str, object], match: str) -> 
         api.check_backend(DeclaresFalse, **kwargs)  # type: ignore[arg-type]
 
 
+def test_a_clause_left_without_cases_is_reported_not_dropped() -> None:
+    results = api.check_backend(DeclaresFalse, cases=["bf16_h8"], clauses=["KV-S5", "KV-L1"],
+                                device="cpu")
+    assert [(r.clause, r.status) for r in results] == [("KV-L1", "passed"), ("KV-S5", "skipped")]
+    s5 = results[1]
+    assert s5.message == "KV-S5: none of the selected cases (bf16_h8) is one it runs on"
+    assert s5.skip_kind is None and not s5.ok  # strict qualification would not forgive it
+
+
 def test_not_a_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="expected a backend class"):
         api.check_backend(42, clauses=["KV-L1"])
