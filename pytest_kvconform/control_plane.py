@@ -90,7 +90,7 @@ def sizing_spy() -> Iterator[list[str | None]]:
     (its ``initialization`` module), restoring it on exit.  Empty when the
     installed control plane sizes through another name.
     """
-    module = importlib.import_module("vllm_omni.diffusion.diffusion_kv.initialization")
+    module: Any = importlib.import_module("vllm_omni.diffusion.diffusion_kv.initialization")
     seen: list[str | None] = []
     original = getattr(module, "get_kv_cache_configs", None)
     if original is None:
