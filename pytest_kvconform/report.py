@@ -73,6 +73,10 @@ _ENV_KEYS = (
 )
 _DEVICE_KEYS = ("name", "memory_bytes", "driver", "cuda")
 _BACKEND_KEYS = ("name", "path", "source", "overridden", "importable", "reason")
+# origin: "in-tree", or the distribution / entry point whose plugin re-pointed the member.
+_BACKEND_OPTIONAL_KEYS = ("origin",)
+# plugins: what loading vLLM / vllm-omni plugins did (omni_plugins.PluginLoad.as_dict()).
+_ENV_OPTIONAL_KEYS = ("plugins",)
 _RESULT_KEYS = (
     "nodeid", "backend", "clause", "case", "layout", "device", "status", "reason", "duration_s",
 )
@@ -280,6 +284,7 @@ def _backend_record(backend: Any) -> dict[str, Any]:
         "overridden": bool(backend.overridden),
         "importable": bool(backend.importable),
         "reason": backend.error,
+        "origin": getattr(backend, "origin", None),
     }
 
 
@@ -316,7 +321,8 @@ def validate_report(obj: Any) -> None:
     _expect_type(obj["backends"], "$.backends", list)
     for i, backend in enumerate(obj["backends"]):
         where = f"$.backends[{i}]"
-        _expect_keys(backend, where, _BACKEND_KEYS)
+        _expect_keys(backend, where, _BACKEND_KEYS, _BACKEND_OPTIONAL_KEYS)
+        _expect_type(backend.get("origin"), f"{where}.origin", str, none=True)
         for key in ("name", "path", "source"):
             _expect_type(backend[key], f"{where}.{key}", str)
         for key in ("overridden", "importable"):
@@ -347,7 +353,9 @@ def validate_report(obj: Any) -> None:
 
 
 def _validate_environment(env: Any) -> None:
-    _expect_keys(env, "$.environment", _ENV_KEYS)
+    _expect_keys(env, "$.environment", _ENV_KEYS, _ENV_OPTIONAL_KEYS)
+    if "plugins" in env:
+        _expect_type(env["plugins"], "$.environment.plugins", dict)
     _expect_type(env["python"], "$.environment.python", str)
     for key in ("torch", "vllm", "vllm_omni"):
         _expect_type(env[key], f"$.environment.{key}", str, none=True)
@@ -655,16 +663,35 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if report["backends"]:
         lines += ["", "## Backends", ""]
         lines += _table(
-            ["backend", "source", "path", "overridden", "importable", "reason"],
+            ["backend", "source", "path", "overridden", "origin", "importable", "reason"],
             [
-                [b["name"], b["source"], b["path"], b["overridden"], b["importable"], b["reason"]]
+                [b["name"], b["source"], b["path"], b["overridden"], b.get("origin"),
+                 b["importable"], b["reason"]]
                 for b in report["backends"]
             ],
         )
+    lines += _plugin_lines(env.get("plugins"))
     footnotes = notes.lines()
     if footnotes:
         lines += ["", *footnotes]
     return "\n".join(lines) + "\n"
+
+
+def _plugin_lines(plugins: Mapping[str, Any] | None) -> list[str]:
+    """The Markdown's plugin section: mode, platform, and every plugin with its outcome."""
+    if not plugins:
+        return []
+    env = plugins.get("vllm_plugins")
+    lines = ["", "## Plugins", "",
+             f"Mode `{plugins.get('mode')}` (`VLLM_PLUGINS` "
+             f"{'unset' if env is None else repr(env)}); Omni platform "
+             f"`{plugins.get('platform')}` ({plugins.get('platform_source') or '-'}).", ""]
+    lines += _table(["group", "plugin", "distribution", "status", "re-pointed", "error"],
+                    [[p["group"], p["name"], p["dist"], p["status"],
+                      ", ".join(p["changed"]) or "-", p["error"]]
+                     for p in plugins.get("plugins", [])])
+    lines += [f"- note: {_md(note)}" for note in plugins.get("notes", [])]
+    return lines
 
 
 # --------------------------------------------------------------------------- merge
