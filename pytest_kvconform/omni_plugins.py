@@ -285,16 +285,20 @@ def load_plugins(mode: str = "production") -> PluginLoad:
         _loaded = result
         return result
     before = overridden_members()
-    if mode == "production":
-        _load_general(result)
-    else:
-        result.loader = "none (--kv-plugins=none)"
-        for group in (VLLM_GROUP, OMNI_GROUP):
-            result.plugins += [PluginRecord(group, ep.name, ep.value, _dist(ep), "not-allowed")
-                               for ep in entry_points(group=group)]
-    for member in before:
-        result.origins.setdefault(member, BEFORE)
-    _resolve_platform(result)
+    # The platform may resolve while plugins load (backend modules ask for it): its
+    # "plugin X is activated" record is caught wherever it happens.
+    with _captured((_PLATFORM_LOGGER,), logging.INFO) as platform_records:
+        if mode == "production":
+            _load_general(result)
+        else:
+            result.loader = "none (--kv-plugins=none)"
+            for group in (VLLM_GROUP, OMNI_GROUP):
+                result.plugins += [PluginRecord(group, ep.name, ep.value, _dist(ep),
+                                                "not-allowed")
+                                   for ep in entry_points(group=group)]
+        for member in before:
+            result.origins.setdefault(member, BEFORE)
+        _resolve_platform(result, platform_records)
     result.overrides = overridden_members()
     _loaded = result
     return result
@@ -349,13 +353,12 @@ def _load_whole(result: PluginLoad, omni_plugins: Any) -> None:
         result.origins[member] = "load_omni_general_plugins() (per-plugin source unknown)"
 
 
-def _resolve_platform(result: PluginLoad) -> None:
+def _resolve_platform(result: PluginLoad, records: list[logging.LogRecord]) -> None:
     """``current_omni_platform`` as production resolves it (platform plugins included)."""
     before = registry_snapshot()
     try:
         platforms = importlib.import_module("vllm_omni.platforms")
-        with _captured((_PLATFORM_LOGGER,), logging.INFO) as records:
-            platform = platforms.current_omni_platform
+        platform = platforms.current_omni_platform
     except Exception as exc:
         result.notes.append(f"the current Omni platform does not resolve: {describe_error(exc)}")
         return
@@ -363,13 +366,19 @@ def _resolve_platform(result: PluginLoad) -> None:
     result.platform = f"{cls.__module__}.{cls.__qualname__}"
     activated = [str(r.args[0]) for r in records
                  if "is activated" in str(r.msg) and isinstance(r.args, tuple) and r.args]
+    allowed = allowed_plugins()
+    eps = [e for e in entry_points(group=PLATFORM_GROUP) if allowed is None or e.name in allowed]
     if activated:
-        ep = next((e for e in entry_points(group=PLATFORM_GROUP) if e.name == activated[0]), None)
-        result.platform_source = (PluginRecord(PLATFORM_GROUP, ep.name, ep.value, _dist(ep),
-                                               "loaded").origin if ep is not None
-                                  else f"platform plugin {activated[0]}")
-    elif cls.__module__.startswith("vllm_omni."):
+        eps = [e for e in eps if e.name == activated[0]]
+    if cls.__module__.startswith("vllm_omni.") and not activated:
         result.platform_source = "built-in"
+    elif len(eps) == 1:
+        ep = eps[0]
+        result.platform_source = PluginRecord(PLATFORM_GROUP, ep.name, ep.value, _dist(ep),
+                                              "loaded").origin
+    else:  # resolved before kvconform loaded plugins: say which plugins could have
+        names = ", ".join(e.name for e in eps) or "none installed"
+        result.platform_source = f"a platform plugin, one of: {names}"
     for member in _changed(before, registry_snapshot()):
         result.origins[member] = f"the Omni platform {result.platform}"
 

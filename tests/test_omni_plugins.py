@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,10 @@ oot_kvplugin_broken = oot_kvplugin:explode
 oot_kvplugin_missing = oot_kvplugin_no_such_module:register
 oot_kvplugin_parent_only = oot_kvplugin:register_parent_only
 """
+PLATFORM_ENTRY_POINTS = """
+[vllm_omni.platform_plugins]
+oot_platform = oot_kvplugin:platform
+"""
 MODULE = '''
 """Hooks as an out-of-tree backend package writes them."""
 import multiprocessing
@@ -40,6 +45,10 @@ def register():
         DiffusionAttentionBackendEnum, register_diffusion_backend)
     register_diffusion_backend(DiffusionAttentionBackendEnum.SAGE_ATTN,
                                "oot_kvplugin_backends.BlockStrideSage")
+
+
+def platform():
+    return "oot_kvplugin_platform.OotPlatform"
 
 
 def explode():
@@ -67,17 +76,37 @@ class BlockStrideSage(SageAttentionBackend):
 
 class ParentOnlySDPA(SDPABackend):
     pass
+
+
+class OotPlatformAttention(SDPABackend):
+    pass
+'''
+# Its own module: a platform is resolved while backend modules import (they ask for it).
+PLATFORM = '''
+from vllm_omni.platforms.interface import UnspecifiedOmniPlatform
+
+
+class OotPlatform(UnspecifiedOmniPlatform):
+    @classmethod
+    def get_diffusion_attn_backend_cls(cls, selected_backend, head_size,
+                                       allow_trtllm_default=False):
+        if selected_backend is None:
+            return "oot_kvplugin_backends.OotPlatformAttention"
+        from vllm_omni.diffusion.attention.backends.registry import (
+            DiffusionAttentionBackendEnum)
+        return DiffusionAttentionBackendEnum[selected_backend].get_path()
 '''
 OVERRIDE = "oot_kvplugin_backends.BlockStrideSage"
 PARENT_ONLY = "oot_kvplugin_backends.ParentOnlySDPA"
 IN_TREE_SAGE = "vllm_omni.diffusion.attention.backends.sage_attn.SageAttentionBackend"
 IN_TREE_SDPA = "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
 # bf16_h8 only: world size 1, so one KV-A worker per process.
-SELECT = ("-k", "((SAGE_ATTN and (kv_l1 or kv_l2 or kv_l6 or kv_a2)) or (TORCH_SDPA and kv_a2))"
-                " and not seam and not ws2")
+PLATFORM_BACKEND = "OotPlatformAttention"
+SELECT = ("-k", "((SAGE_ATTN and (kv_l1 or kv_l2 or kv_l6 or kv_a2)) or (TORCH_SDPA and kv_a2)"
+                f" or ({PLATFORM_BACKEND} and (kv_l1 or kv_a2))) and not seam and not ws2")
 
 
-def install_plugin(site: Path, entry_points: str = ENTRY_POINTS) -> Path:
+def install_plugin(site: Path, entry_points: str = ENTRY_POINTS + PLATFORM_ENTRY_POINTS) -> Path:
     """The plugin package, installed into ``site`` as pip would leave it."""
     info = site / f"{DIST.replace('-', '_')}-0.1.dist-info"
     info.mkdir(parents=True)
@@ -85,6 +114,7 @@ def install_plugin(site: Path, entry_points: str = ENTRY_POINTS) -> Path:
     (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
     (site / "oot_kvplugin.py").write_text(MODULE)
     (site / "oot_kvplugin_backends.py").write_text(BACKENDS)
+    (site / "oot_kvplugin_platform.py").write_text(PLATFORM)
     return site
 
 
@@ -112,11 +142,13 @@ def _statuses(report: dict[str, Any]) -> dict[str, tuple[str, str]]:
 def test_override_is_checked_in_every_process(with_plugin: pytest.Pytester) -> None:
     """Controller, xdist workers and KV-A workers all load the plugin; L6 finds the gap."""
     result, report = _run(with_plugin, "--kv-backend", "SAGE_ATTN", "--kv-backend", "TORCH_SDPA",
-                          *SELECT, "-n", "2")
+                          "--kv-backend", PLATFORM_BACKEND, *SELECT, "-n", "2")
     out = result.stdout.str()
     # the header: the override, its source, and the failed plugins by name
     result.stdout.fnmatch_lines_random([
-        "kvconform: plugins: production (VLLM_PLUGINS unset); loaded: *oot_kvplugin*",
+        "kvconform: plugins: production (VLLM_PLUGINS unset); loaded: *oot_kvplugin*; platform: "
+        f"oot_kvplugin_platform.OotPlatform (distribution {DIST} 0.1, entry point "
+        "vllm_omni.platform_plugins:oot_platform (oot_kvplugin:platform))",
         f"kvconform: override: SAGE_ATTN -> {OVERRIDE} (by distribution {DIST} 0.1, entry "
         "point vllm_omni.general_plugins:oot_kvplugin (oot_kvplugin:register))",
         "kvconform: WARNING: plugin oot_kvplugin_broken (vllm_omni.general_plugins, "
@@ -130,6 +162,9 @@ def test_override_is_checked_in_every_process(with_plugin: pytest.Pytester) -> N
     assert (sage["path"], sage["overridden"]) == (OVERRIDE, True)
     assert f"distribution {DIST} 0.1" in sage["origin"] and "oot_kvplugin" in sage["origin"]
     assert backends["TORCH_SDPA"]["path"] == PARENT_ONLY
+    # the platform plugin's default backend is discovered like any other
+    platform = backends[PLATFORM_BACKEND]
+    assert platform["source"] == "platform" and "OotPlatform" in platform["origin"]
     plugins = {p["name"]: p for p in report["environment"]["plugins"]["plugins"]}
     assert plugins["oot_kvplugin"]["changed"] == ["SAGE_ATTN"]
     assert plugins["oot_kvplugin_broken"]["status"] == "hook-failed"
@@ -144,6 +179,8 @@ def test_override_is_checked_in_every_process(with_plugin: pytest.Pytester) -> N
     status, reason = got["test_kv_l6[SAGE_ATTN]"]
     assert status == "failed" and "never receives indexes_kv_by_block_stride" in reason, reason
     assert got["test_kv_a2[SAGE_ATTN-bf16_h8]"][0] == "passed", out[-3000:]
+    assert got[f"test_kv_l1[{PLATFORM_BACKEND}]"][0] == "passed", out[-3000:]
+    assert got[f"test_kv_a2[{PLATFORM_BACKEND}-bf16_h8]"][0] == "passed", out[-3000:]
     # the seeded fault: the KV-A worker resolves another class than the test process
     status, reason = got["test_kv_a2[TORCH_SDPA-bf16_h8]"]
     assert status == "failed", out[-3000:]
@@ -219,8 +256,9 @@ def test_worker_disagreement_is_a_clause_failure() -> None:
     backend = BackendUnderTest("SAGE_ATTN", "oot.Cls", "registry", True, cls=object,
                                origin="distribution oot 1")
     run = adoption._Run("KV-A2", False, "SAGE_ATTN", Case(id="c", file="f"))
-    with pytest.raises(ClauseFailure, match="resolves backend SAGE_ATTN to in.tree.Cls, the "
-                       "test process to oot.Cls") as info:
+    with pytest.raises(ClauseFailure, match=re.escape("resolves backend SAGE_ATTN to "
+                                                      "in.tree.Cls, the test process to "
+                                                      "oot.Cls")) as info:
         adoption._same_backend_class(run, backend, [Handle()])  # type: ignore[list-item]
     assert "p: RuntimeError: x" in str(info.value)
     adoption._same_backend_class(run, True, [Handle()])  # type: ignore[list-item]
