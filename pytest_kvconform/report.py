@@ -277,15 +277,17 @@ def _normalise_result(result: Mapping[str, Any]) -> dict[str, Any]:
 def _backend_record(backend: Any) -> dict[str, Any]:
     if isinstance(backend, Mapping):
         return _jsonable(dict(backend))
-    return {
+    record = {
         "name": backend.name,
         "path": backend.path,
         "source": backend.source,
         "overridden": bool(backend.overridden),
         "importable": bool(backend.importable),
         "reason": backend.error,
-        "origin": getattr(backend, "origin", None),
     }
+    if getattr(backend, "origin", None) is not None:
+        record["origin"] = backend.origin
+    return record
 
 
 def _jsonable(value: Any) -> Any:
@@ -663,22 +665,23 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if report["backends"]:
         lines += ["", "## Backends", ""]
         lines += _table(
-            ["backend", "source", "path", "overridden", "origin", "importable", "reason"],
+            ["backend", "source", "path", "overridden", "importable", "reason"],
             [
-                [b["name"], b["source"], b["path"], b["overridden"], b.get("origin"),
-                 b["importable"], b["reason"]]
+                [b["name"], b["source"], b["path"], b["overridden"], b["importable"], b["reason"]]
                 for b in report["backends"]
             ],
         )
-    lines += _plugin_lines(env.get("plugins"))
+    lines += _plugin_lines(env.get("plugins"), report["backends"])
     footnotes = notes.lines()
     if footnotes:
         lines += ["", *footnotes]
     return "\n".join(lines) + "\n"
 
 
-def _plugin_lines(plugins: Mapping[str, Any] | None) -> list[str]:
-    """The Markdown's plugin section: mode, platform, and every plugin with its outcome."""
+def _plugin_lines(plugins: Mapping[str, Any] | None,
+                  backends: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The Markdown's plugin section: mode, platform, each plugin's outcome, who put
+    each backend's class there."""
     if not plugins:
         return []
     env = plugins.get("vllm_plugins")
@@ -691,6 +694,10 @@ def _plugin_lines(plugins: Mapping[str, Any] | None) -> list[str]:
                       ", ".join(p["changed"]) or "-", p["error"]]
                      for p in plugins.get("plugins", [])])
     lines += [f"- note: {_md(note)}" for note in plugins.get("notes", [])]
+    origins = [[b["name"], b["path"], b["overridden"], b["origin"]] for b in backends
+               if b.get("origin")]
+    if origins:
+        lines += ["", *_table(["backend", "path", "overridden", "origin"], origins)]
     return lines
 
 

@@ -21,8 +21,6 @@ import pytest
 
 from tests.conftest import needs_omni
 
-pytestmark = needs_omni
-
 DIST = "oot-kvplugin"
 ENTRY_POINTS = """
 [vllm_omni.general_plugins]
@@ -139,6 +137,7 @@ def _statuses(report: dict[str, Any]) -> dict[str, tuple[str, str]]:
     return {r["nodeid"].split("::")[-1]: (r["status"], r["reason"]) for r in report["results"]}
 
 
+@needs_omni
 def test_override_is_checked_in_every_process(with_plugin: pytest.Pytester) -> None:
     """Controller, xdist workers and KV-A workers all load the plugin; L6 finds the gap."""
     result, report = _run(with_plugin, "--kv-backend", "SAGE_ATTN", "--kv-backend", "TORCH_SDPA",
@@ -188,6 +187,7 @@ def test_override_is_checked_in_every_process(with_plugin: pytest.Pytester) -> N
             f"to {PARENT_ONLY}") in reason, reason
 
 
+@needs_omni
 def test_plugins_none_checks_in_tree_classes(with_plugin: pytest.Pytester) -> None:
     """--kv-plugins=none: in-tree classes, here and in the KV-A worker; the report says so."""
     result, report = _run(with_plugin, "--kv-plugins", "none", "--kv-backend", "SAGE_ATTN",
@@ -206,6 +206,7 @@ def test_plugins_none_checks_in_tree_classes(with_plugin: pytest.Pytester) -> No
     assert result.ret == pytest.ExitCode.OK
 
 
+@needs_omni
 def test_load_group_records_sources_and_failures(pytester: pytest.Pytester,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """One group through production's loader, in process: sources, errors, VLLM_PLUGINS."""
@@ -264,3 +265,37 @@ def test_worker_disagreement_is_a_clause_failure() -> None:
     adoption._same_backend_class(run, True, [Handle()])  # type: ignore[list-item]
     agree = BackendUnderTest("SAGE_ATTN", "in.tree.Cls", "registry", cls=object)
     adoption._same_backend_class(run, agree, [Handle()])  # type: ignore[list-item]
+
+
+def test_report_carries_origins_and_plugin_outcomes() -> None:
+    """Origin per backend and the plugin outcomes validate and show in the Markdown."""
+    from pytest_kvconform import report as rp
+    from pytest_kvconform.model import BackendUnderTest
+    from pytest_kvconform.omni_plugins import PluginLoad, PluginRecord
+
+    load = PluginLoad(plugins=[
+        PluginRecord("vllm_omni.general_plugins", "good", "m:f", "pkg 1", "loaded",
+                     changed=("SAGE_ATTN",)),
+        PluginRecord("vllm_omni.general_plugins", "bad", "m:g", "pkg 1", "hook-failed",
+                     "RuntimeError: boom")],
+        overrides={"SAGE_ATTN": "pkg.Sage"}, origins={"SAGE_ATTN": "distribution pkg 1"},
+        platform="p.P", platform_source="built-in")
+    env = {**rp.environment_info({}, seed=None), "plugins": load.as_dict()}
+    backends = [BackendUnderTest("SAGE_ATTN", "pkg.Sage", "registry", True, cls=object,
+                                 origin=load.origin_of("SAGE_ATTN", True)),
+                BackendUnderTest("TORCH_SDPA", "in.Sdpa", "registry", cls=object,
+                                 origin=load.origin_of("TORCH_SDPA", False))]
+    built = rp.build_report(environment=env, backends=backends, results=[],
+                            options={"plugins": "production"}, strict=False)
+    assert [b["origin"] for b in built["backends"]] == ["distribution pkg 1", "in-tree"]
+    markdown = rp.render_markdown(built)
+    assert "| SAGE_ATTN | pkg.Sage | True | distribution pkg 1 |" in markdown
+    assert "| vllm_omni.general_plugins | bad | pkg 1 | hook-failed | - | RuntimeError: boom |" \
+        in markdown
+    bad = {**built, "backends": [{**built["backends"][0], "origin": 3}]}
+    with pytest.raises(rp.ReportError, match=r"backends\[0\]\.origin"):
+        rp.validate_report(bad)
+    header = "\n".join(load.header_lines())
+    assert "override: SAGE_ATTN -> pkg.Sage (by distribution pkg 1)" in header
+    assert "WARNING: plugin bad (vllm_omni.general_plugins, pkg 1) hook raised: " \
+        "RuntimeError: boom" in header
