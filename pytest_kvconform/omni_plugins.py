@@ -51,7 +51,7 @@ class PluginRecord:
     name: str
     value: str
     dist: str | None
-    status: str  # loaded | load-failed | hook-failed | not-allowed
+    status: str  # loaded | load-failed | hook-failed | not-allowed | shadowed
     error: str | None = None
     changed: tuple[str, ...] = ()  # registry members its hook re-pointed
 
@@ -234,8 +234,13 @@ def _load_group(result: PluginLoad, group: str,
         names = ", ".join(sorted(hooks)) or "-"
         for member in at_import:
             result.origins[member] = f"import of the {group} plugins ({names})"
+    last = {ep.name: ep for ep in eps}  # production keeps one hook per name: the last
     for ep in eps:
         record = PluginRecord(group, ep.name, ep.value, _dist(ep), "loaded")
+        if last[ep.name] is not ep:
+            result.plugins.append(replace(record, status="shadowed",
+                                          error="a later entry point has the same name"))
+            continue
         if allowed is not None and ep.name not in allowed:
             result.plugins.append(replace(record, status="not-allowed"))
             continue
