@@ -47,6 +47,11 @@ def add_options(parser: pytest.Parser) -> None:
     both("--kv-memory-fraction", "kv_memory_fraction",
          "fraction of a GPU's free memory KV-A6 allocates (default 0.5)", default=None,
          metavar="F", ini_type="string", ini_default="0.5")
+    both("--kv-plugins", "kv_plugins",
+         "production: load vLLM / vllm-omni general and platform plugins before discovery, "
+         "as production processes do (default); none: check in-tree classes only "
+         "(sets VLLM_PLUGINS='')", default=None, metavar="production|none",
+         ini_type="string", ini_default="production")
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class Options:
     strict: bool = False
     allow_oversubscribe: bool = False
     memory_fraction: float = 0.5
+    plugins: str = "production"
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -84,6 +90,9 @@ class Options:
                                     "number") from None
         if not 0 < fraction <= 1:
             raise pytest.UsageError(f"--kv-memory-fraction: {fraction} must be in (0, 1]")
+        plugins = str(get("kv_plugins") or "production")
+        if plugins not in ("production", "none"):
+            raise pytest.UsageError(f"--kv-plugins: {plugins!r} is not one of production, none")
         return cls(
             enabled=bool(get("kv_conformance")),
             backends=tuple(get("kv_backend") or ()),
@@ -94,10 +103,12 @@ class Options:
             strict=bool(get("kv_strict")),
             allow_oversubscribe=bool(get("kv_allow_oversubscribe")),
             memory_fraction=fraction,
+            plugins=plugins,
             raw={
                 "backends": list(get("kv_backend") or []), "device": str(get("kv_device")),
                 "cases": [str(c) for c in cases], "report": report, "xfails": xfails,
                 "strict": bool(get("kv_strict")), "memory_fraction": fraction,
                 "numprocesses": getattr(config.option, "numprocesses", None),
+                "plugins": plugins,
             },
         )

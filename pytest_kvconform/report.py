@@ -74,6 +74,10 @@ _ENV_KEYS = (
 )
 _DEVICE_KEYS = ("name", "memory_bytes", "driver", "cuda")
 _BACKEND_KEYS = ("name", "path", "source", "overridden", "importable", "reason")
+# origin: "in-tree", or the distribution / entry point whose plugin re-pointed the member.
+_BACKEND_OPTIONAL_KEYS = ("origin",)
+# plugins: what loading vLLM / vllm-omni plugins did (omni_plugins.PluginLoad.as_dict()).
+_ENV_OPTIONAL_KEYS = ("plugins",)
 _RESULT_KEYS = (
     "nodeid", "backend", "clause", "case", "layout", "device", "status", "reason", "duration_s",
 )
@@ -274,7 +278,7 @@ def _normalise_result(result: Mapping[str, Any]) -> dict[str, Any]:
 def _backend_record(backend: Any) -> dict[str, Any]:
     if isinstance(backend, Mapping):
         return _jsonable(dict(backend))
-    return {
+    record = {
         "name": backend.name,
         "path": backend.path,
         "source": backend.source,
@@ -282,6 +286,9 @@ def _backend_record(backend: Any) -> dict[str, Any]:
         "importable": bool(backend.importable),
         "reason": backend.error,
     }
+    if getattr(backend, "origin", None) is not None:
+        record["origin"] = backend.origin
+    return record
 
 
 def _jsonable(value: Any) -> Any:
@@ -318,7 +325,8 @@ def validate_report(obj: Any) -> None:
     _expect_type(obj["backends"], "$.backends", list)
     for i, backend in enumerate(obj["backends"]):
         where = f"$.backends[{i}]"
-        _expect_keys(backend, where, _BACKEND_KEYS)
+        _expect_keys(backend, where, _BACKEND_KEYS, _BACKEND_OPTIONAL_KEYS)
+        _expect_type(backend.get("origin"), f"{where}.origin", str, none=True)
         for key in ("name", "path", "source"):
             _expect_type(backend[key], f"{where}.{key}", str)
         for key in ("overridden", "importable"):
@@ -349,7 +357,9 @@ def validate_report(obj: Any) -> None:
 
 
 def _validate_environment(env: Any) -> None:
-    _expect_keys(env, "$.environment", _ENV_KEYS)
+    _expect_keys(env, "$.environment", _ENV_KEYS, _ENV_OPTIONAL_KEYS)
+    if "plugins" in env:
+        _expect_type(env["plugins"], "$.environment.plugins", dict)
     _expect_type(env["python"], "$.environment.python", str)
     for key in ("torch", "vllm", "vllm_omni"):
         _expect_type(env[key], f"$.environment.{key}", str, none=True)
@@ -663,10 +673,34 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 for b in report["backends"]
             ],
         )
+    lines += _plugin_lines(env.get("plugins"), report["backends"])
     footnotes = notes.lines()
     if footnotes:
         lines += ["", *footnotes]
     return "\n".join(lines) + "\n"
+
+
+def _plugin_lines(plugins: Mapping[str, Any] | None,
+                  backends: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The Markdown's plugin section: mode, platform, each plugin's outcome, who put
+    each backend's class there."""
+    if not plugins:
+        return []
+    env = plugins.get("vllm_plugins")
+    lines = ["", "## Plugins", "",
+             f"Mode `{plugins.get('mode')}` (`VLLM_PLUGINS` "
+             f"{'unset' if env is None else repr(env)}); Omni platform "
+             f"`{plugins.get('platform')}` ({plugins.get('platform_source') or '-'}).", ""]
+    lines += _table(["group", "plugin", "distribution", "status", "re-pointed", "error"],
+                    [[p["group"], p["name"], p["dist"], p["status"],
+                      ", ".join(p["changed"]) or "-", p["error"]]
+                     for p in plugins.get("plugins", [])])
+    lines += [f"- note: {_md(note)}" for note in plugins.get("notes", [])]
+    origins = [[b["name"], b["path"], b["overridden"], b["origin"]] for b in backends
+               if b.get("origin")]
+    if origins:
+        lines += ["", *_table(["backend", "path", "overridden", "origin"], origins)]
+    return lines
 
 
 # --------------------------------------------------------------------------- merge

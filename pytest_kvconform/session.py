@@ -22,6 +22,7 @@ from pytest_kvconform.model import (
     Case,
     clause_from_test_name,
 )
+from pytest_kvconform.omni_plugins import load_plugins, restore_plugins_env, set_plugins_env
 from pytest_kvconform.options import Options
 from pytest_kvconform.outcomes import ClauseFailure
 
@@ -48,6 +49,8 @@ class KvSession:
         self.fault: str | None = None
         self.device = "cpu"
         self.gpu_ids: list[str] = []
+        self.plugins: Any = None  # omni_plugins.PluginLoad, after pytest_sessionstart
+        self._plugins_env = set_plugins_env(options.plugins)
         self._setup_device()
         from pytest_kvconform import workers
 
@@ -60,6 +63,7 @@ class KvSession:
         workers.release()
         if self._logging_level_set:
             os.environ.pop("VLLM_LOGGING_LEVEL", None)
+        restore_plugins_env(self._plugins_env)
 
     @property
     def device_kind(self) -> str:
@@ -120,7 +124,8 @@ class KvSession:
                 # Importing backends imports torch and vLLM, whose own deprecation
                 # warnings would otherwise print before the session starts.
                 warnings.simplefilter("ignore", DeprecationWarning)
-                self.discovery = discover(hook_results)
+                self.plugins = load_plugins(self.options.plugins)
+                self.discovery = discover(hook_results, origins=self.plugins)
         except DiscoveryError as exc:
             raise pytest.UsageError(f"kvconform: {exc}") from None
         self.discovery_seconds = time.monotonic() - started
@@ -158,6 +163,7 @@ class KvSession:
             f"kvconform: {len(self.cases)} cases: {', '.join(c.id for c in self.cases)}",
         ]
         lines += [f"kvconform: note: {note}" for note in self.discovery.notes]
+        lines += self.plugins.header_lines() if self.plugins is not None else []
         broken = compat.production_import_error()
         if broken:
             lines.append(f"kvconform: WARNING: vllm-omni's production control plane does not "
@@ -274,6 +280,8 @@ class KvSession:
         if self.options.report is None:
             return
         environment = report_mod.environment_info(self.options.raw, seed=None)
+        if self.plugins is not None:
+            environment["plugins"] = self.plugins.as_dict()
         built = report_mod.build_report(environment=environment,
                                         backends=self.backend_dicts(),
                                         results=self.results, options=self.options.raw,
@@ -286,7 +294,8 @@ class KvSession:
 
     def backend_dicts(self) -> list[dict[str, Any]]:
         return [{"name": b.name, "path": b.path, "source": b.source,
-                 "overridden": b.overridden, "importable": b.importable, "reason": b.error}
+                 "overridden": b.overridden, "importable": b.importable, "reason": b.error,
+                 "origin": b.origin}
                 for b in self.discovery.backends]
 
 
