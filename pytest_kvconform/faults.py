@@ -7,8 +7,9 @@ here:
 - a :class:`HarnessError` (a worker died or timed out, an OOM in the harness) keeps
   its own kind;
 - ``MemoryError`` / torch's ``OutOfMemoryError`` in the test process is ``oom``;
-- any other exception raised by the plugin's own code (its innermost traceback frame
-  lies in this package: a bug or an adapter that could not adapt) is ``harness``;
+- any other exception raised by the plugin's own code is ``harness`` (a bug, or an
+  adapter that could not adapt): the innermost traceback frame that is not in a
+  tool the plugin calls (the standard library, numpy, packaging) lies in this package;
 - an exception the installed code (vLLM, vllm-omni, a backend) raised and the check
   let through stays a clause failure, as before: the installed code misbehaved.
 
@@ -18,6 +19,9 @@ backend, and no xfail entry absorbs it unless the entry says so.
 
 from __future__ import annotations
 
+import importlib.util
+import sysconfig
+from functools import cache
 from pathlib import Path
 
 from pytest_kvconform.outcomes import ClauseSkip, ErrorKind, HarnessError
@@ -42,14 +46,55 @@ def harness_kind(exc: BaseException) -> ErrorKind | None:
 
 
 def raised_in_plugin(exc: BaseException) -> bool:
-    """Whether the innermost Python frame of ``exc``'s traceback is in this package."""
+    """Whether the innermost traceback frame outside the plugin's tools is in this package.
+
+    ``re.match(None)`` in the plugin raises in ``re``: that is still the plugin's bug.
+    """
+    frames = []
     tb = exc.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
         tb = tb.tb_next
+    for filename in reversed(frames):
+        path = _path(filename)
+        if path is None or _is_tool(path):
+            continue
+        return path == PACKAGE_DIR or PACKAGE_DIR in path.parents
+    return False
+
+
+def _path(filename: str) -> Path | None:
+    if filename.startswith("<"):  # <frozen ...>, <string>
+        return None
     try:
-        file = Path(tb.tb_frame.f_code.co_filename).resolve()
+        return Path(filename).resolve()
     except (OSError, ValueError):
-        return False
-    return file == PACKAGE_DIR or PACKAGE_DIR in file.parents
+        return None
+
+
+def _is_tool(path: Path) -> bool:
+    stdlib, packages, tools = _roots()
+    if any(root in path.parents for root in tools):
+        return True
+    return (any(root in path.parents for root in stdlib)
+            and not any(root in path.parents for root in packages))
+
+
+@cache
+def _roots() -> tuple[tuple[Path, ...], tuple[Path, ...], tuple[Path, ...]]:
+    """(stdlib dirs, site-packages dirs, the tool packages' dirs), found without importing."""
+    paths = sysconfig.get_paths()
+    stdlib = tuple({Path(paths[k]).resolve() for k in ("stdlib", "platstdlib")})
+    packages = tuple({Path(paths[k]).resolve() for k in ("purelib", "platlib")})
+    tools = []
+    for name in _TOOLS:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            tools.append(Path(location).resolve())
+    return stdlib, packages, tuple(tools)
+
+
+_TOOLS = ("numpy", "packaging")  # libraries the plugin itself calls; never under test

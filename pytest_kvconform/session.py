@@ -343,7 +343,9 @@ class KvSession:
         try:
             json_path, md_path = report_mod.write_report(self.options.report, self.built_report)
         except (OSError, report_mod.ReportError) as exc:
-            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            detail: Any = exc
+            if isinstance(exc, OSError) and exc.strerror:
+                detail = exc.strerror + (f": {exc.filename}" if exc.filename else "")
             self.completion.report_error = (f"the report could not be written to "
                                             f"{self.options.report}: {detail}")
             if session.exitstatus == 0:
@@ -451,8 +453,9 @@ def _hook_failure(impls: list[Any], exc: BaseException) -> str:
     if impl is None:
         return f"kvconform: a {HOOK_NAME} hook raised {describe_error(exc)}"
     module = getattr(impl.plugin, "__file__", None) or impl.plugin_name
-    return (f"kvconform: the {HOOK_NAME} hook {impl.function.__qualname__} in {module} "
-            f"raised {describe_error(exc)} (at {where})")
+    name = impl.function.__qualname__
+    what = f"the {HOOK_NAME} hook" + (f" {name}" if name != HOOK_NAME else "")
+    return f"kvconform: {what} in {module} raised {describe_error(exc)} (at {where})"
 
 
 class _NoBackend(BackendUnderTest):
