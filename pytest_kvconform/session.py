@@ -282,6 +282,8 @@ class KvSession:
                           "test", yellow=True)
         if self.completion.verdict_line:
             tr.write_line(f"kvconform: verdict: {self.completion.verdict_line}")
+        if self.completion.report_line:
+            tr.write_line(self.completion.report_line)
         if self.completion.report_error:
             tr.write_line(f"kvconform: ERROR: {self.completion.report_error}", red=True,
                           bold=True)
@@ -339,7 +341,6 @@ class KvSession:
             options=self.options.raw, strict=strict, selection=selection, run=run)
         if self.options.report is None:
             return
-        tr = self.config.pluginmanager.get_plugin("terminalreporter")
         try:
             json_path, md_path = report_mod.write_report(self.options.report, self.built_report)
         except (OSError, report_mod.ReportError) as exc:
@@ -351,9 +352,7 @@ class KvSession:
             if session.exitstatus == 0:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
             return
-        if tr is not None:
-            tr.ensure_newline()
-            tr.write_line(f"kvconform: report written to {json_path} and {md_path}")
+        self.completion.report_line = f"kvconform: report written to {json_path} and {md_path}"
 
     report_wanted = False  # `kvconform run` sets it: build the report even without a path
     built_report: dict[str, Any] | None = None
@@ -409,6 +408,7 @@ class _Completion:
         self.interruption: str | None = None
         self.verdict_line = ""
         self.report_error: str | None = None
+        self.report_line = ""
 
     def collected_or_none(self) -> int | None:
         return self.collected if self.counted else None
