@@ -464,6 +464,20 @@ def test_killed_worker_is_an_error_of_kind_worker_died(pytester: pytest.Pytester
 
 
 @needs_omni
+def test_suite_path_argument_is_partial(pytester: pytest.Pytester, kv_run: Any) -> None:
+    pytester.makeconftest(STAND_INS)
+    suite_file = Path(rp.__file__).parent / "suite" / "test_nullblock.py"
+    result = kv_run(str(suite_file), "-k", "kv_n1", "--kv-report", "r.json")
+    assert result.ret == pytest.ExitCode.OK
+    _summary_printed(result)
+    result.stdout.fnmatch_lines([f"*kvconform: verdict: partial (left out: *collection narrowed "
+                                 f"to {suite_file}*"])
+    data = json.loads((pytester.path / "r.json").read_text())
+    assert data["selection"]["paths"] == [str(suite_file)]
+    assert data["verdict"] == "partial"
+
+
+@needs_omni
 def test_unwritable_report_at_the_end_still_prints_the_summary(pytester: pytest.Pytester,
                                                                kv_run: Any) -> None:
     # The directory is replaced by a file after start-up, before the report is written.
