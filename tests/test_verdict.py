@@ -356,10 +356,10 @@ def test_k_selected_strict_run_is_partial(pytester: pytest.Pytester, kv_run: Any
 
 
 @needs_omni
-def test_interrupted_run_says_interrupted(pytester: pytest.Pytester, kv_run: Any) -> None:
+def test_interrupted_run_says_interrupted(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(STAND_INS + CTRL_C)
-    result = kv_run("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-backend", "OTHER",
-                    "--kv-report", "r.md")
+    result = pytester.runpytest(*KV_ARGS, "-k", "kv_l1", "--kv-backend", "GOOD", "--kv-backend",
+                                "OTHER", "--kv-report", "r.md", no_reraise_ctrlc=True)
     assert result.ret == pytest.ExitCode.INTERRUPTED
     _summary_printed(result)
     result.stdout.fnmatch_lines(["*kvconform: verdict: interrupted (interrupted: "
