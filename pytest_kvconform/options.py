@@ -33,7 +33,8 @@ def add_options(parser: pytest.Parser) -> None:
     both("--kv-cases", "kv_cases", "extra case file (TOML, repeatable)", action="append",
          default=None, metavar="PATH", ini_type="paths", ini_default=[])
     both("--kv-report", "kv_report",
-         "write the qualification report as JSON to PATH and Markdown next to it",
+         "write the qualification report as JSON to PATH and Markdown next to it (a PATH "
+         "ending in .md: Markdown there, JSON next to it); checked writable at start-up",
          default=None, metavar="PATH", ini_type="string", ini_default="")
     both("--kv-xfails", "kv_xfails",
          "expected-failures file (TOML): matching tests become xfails", default=None,

@@ -1,4 +1,5 @@
-"""Run one clause check under pytest: a ClauseSkip becomes a reported skip."""
+"""Run one clause check under pytest: a ClauseSkip becomes a reported skip, a harness
+fault an error of its kind (see ``faults.py``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.checks.errors import ClauseSkip
+from pytest_kvconform.faults import ERROR_KIND_PROPERTY, harness_kind
 from pytest_kvconform.model import SKIP_KIND_PROPERTY
 
 
 def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args: Any,
               **kwargs: Any) -> None:
-    """Call ``check``; skips keep their kind on user_properties for strict mode."""
+    """Call ``check``; skips keep their kind on user_properties for strict mode, and so do
+    harness faults (the session reports them as status ``error``, never as failures)."""
     try:
         check(*args, **kwargs)
     except ClauseSkip as skip:
@@ -21,3 +24,8 @@ def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args:
         # Reported at the test, not at this helper.
         raise pytest.skip.Exception(f"{skip.clause}: {skip.reason}", _use_item_location=True)\
             from None
+    except Exception as exc:
+        kind = harness_kind(exc)
+        if kind is not None:
+            request.node.user_properties.append((ERROR_KIND_PROPERTY, kind.value))
+        raise
