@@ -100,8 +100,9 @@ def kernel_driver(backend: BackendUnderTest, cls: Any, device: str) -> str:
     if declared is None:
         if kind not in paged_drivers.NATIVE_DEVICES:
             raise ClauseSkip(CLAUSE, f"needs CUDA: {backend.name}'s paged path runs "
-                             f"{paged_drivers.NATIVE_KERNEL}, which exist only on CUDA; this "
-                             f"process's device is {device}", SkipKind.HARDWARE)
+                             f"{paged_drivers.NATIVE_KERNEL}, so it needs the backend's kernel "
+                             f"device (CUDA); this process's device is {device}",
+                             SkipKind.HARDWARE)
         missing = paged_drivers.native_kernels_missing()
         if missing:
             raise ClauseSkip(CLAUSE, f"needs {paged_drivers.NATIVE_KERNEL}: {missing}",
