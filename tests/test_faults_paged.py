@@ -50,11 +50,11 @@ def test_l7_skips_by_kernel_device_on_cpu(kv_run, pytester: pytest.Pytester) -> 
                     *_backends("FLASH_ATTN", "TORCH_SDPA", "PAGED_CUDA_ONLY"))
     result.assert_outcomes(skipped=3)
     result.stdout.fnmatch_lines_random([
-        "SKIPPED*KV-L7: needs CUDA: FLASH_ATTN's paged path runs vLLM's native "
-        "paged kernels*",
+        "SKIPPED*KV-L7: needs the backend's kernel device (CUDA): FLASH_ATTN's paged path "
+        "runs vLLM's native paged kernels*which needs CUDA*",
         "SKIPPED*KV-L7: the backend does not declare supports_paged_kv*",
-        "SKIPPED*KV-L7: needs CUDA: the backend declares its paged kernel "
-        "runs on ('cuda',)*",
+        "SKIPPED*KV-L7: needs the backend's kernel device (CUDA): the backend declares its "
+        "paged kernel runs on ('cuda',)*so it needs CUDA*",
     ])
     assert "not implemented" not in result.stdout.str()
 

@@ -99,9 +99,9 @@ def kernel_driver(backend: BackendUnderTest, cls: Any, device: str) -> str:
     kind = device.split(":", 1)[0]
     if declared is None:
         if kind not in paged_drivers.NATIVE_DEVICES:
-            raise ClauseSkip(CLAUSE, f"needs CUDA: {backend.name}'s paged path runs "
-                             f"{paged_drivers.NATIVE_KERNEL}, so it needs the backend's kernel "
-                             f"device (CUDA); this process's device is {device}",
+            raise ClauseSkip(CLAUSE, "needs the backend's kernel device (CUDA): "
+                             f"{backend.name}'s paged path runs {paged_drivers.NATIVE_KERNEL}, "
+                             f"which needs CUDA; this process's device is {device}",
                              SkipKind.HARDWARE)
         missing = paged_drivers.native_kernels_missing()
         if missing:
@@ -110,9 +110,10 @@ def kernel_driver(backend: BackendUnderTest, cls: Any, device: str) -> str:
         return "native"
     if kind not in declared:
         wanted = "CUDA" if declared == ("cuda",) else " or ".join(declared)
-        raise ClauseSkip(CLAUSE, f"needs {wanted}: the backend declares its paged kernel runs on "
-                         f"{declared} ({paged_drivers.DEVICES_ATTR}); this process's device is "
-                         f"{device}", SkipKind.HARDWARE)
+        raise ClauseSkip(CLAUSE, f"needs the backend's kernel device ({wanted}): the backend "
+                         f"declares its paged kernel runs on {declared} "
+                         f"({paged_drivers.DEVICES_ATTR}), so it needs {wanted}; this "
+                         f"process's device is {device}", SkipKind.HARDWARE)
     return "portable"
 
 
