@@ -43,7 +43,7 @@ IMAGE_HAS = {
     "typing-extensions", "jinja2", "markupsafe", "sympy", "mpmath", "networkx", "fsspec",
     "setuptools", "certifi", "charset-normalizer", "idna", "urllib3", "hf-xet",
     "typer-slim", "typer", "click", "shellingham", "rich", "markdown-it-py", "mdurl",
-    "pygments", "httpx", "httpcore", "h11", "anyio", "sniffio", "typing-inspection",
+    "pygments", "httpx", "httpcore", "h11", "anyio", "sniffio",
 }
 # Never bundled: ours (copied as source), compiled-kernel carriers, the image's CUDA libs.
 NOT_WHEELED = {"vllm", "vllm-omni", "pytest-kvconform"}
@@ -57,7 +57,8 @@ CLOSURE_SEED = (
     "fastapi", "frozenlist", "httpx2", "llguidance", "loguru", "msgspec", "multidict",
     "omegaconf", "openai", "openai-harmony", "partial-json-parser", "pillow", "prettytable",
     "prometheus-client", "propcache", "psutil", "py-cpuinfo", "pybase64", "pydantic",
-    "pydantic-core", "pyzmq", "starlette", "tiktoken", "uvloop", "xgrammar", "yarl",
+    "pydantic-core", "pyzmq", "starlette", "tiktoken", "typing-inspection", "uvloop",
+    "xgrammar", "yarl",
 )
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
