@@ -19,8 +19,10 @@ what the backend's ``forward_paged`` does is judged by the clause.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,10 +221,11 @@ class PortableDriver:
             block_size=bs)
         paged_layer = PagedLayer(layer, view, self.num_heads, case.num_kv_heads, case.head_size,
                                  case.head_size, case.head_size ** -0.5)
-        context = compat.paged_attention_context(
-            layer=paged_layer, query=query.to(dev), key_write=key.to(dev),
-            value_write=value.to(dev), slot_mapping=metadata.slot_mapping,
-            native_metadata=metadata, query_token_shape=(int(query.shape[0]),))
+        with _harness("building vllm-omni's paged context"):
+            context = compat.paged_attention_context(
+                layer=paged_layer, query=query.to(dev), key_write=key.to(dev),
+                value_write=value.to(dev), slot_mapping=metadata.slot_mapping,
+                native_metadata=metadata, query_token_shape=(int(query.shape[0]),))
         return self.impl.forward_paged(context)
 
 
@@ -279,6 +282,8 @@ class NativeDriver:
         with compat.backend_selected(self.backend_name, self.backend_path) as selected:
             od_config = compat.production_od_config(attention_backend=selected)
         worker = create_diffusion_vllm_config(torch.device(torch_device.type), od_config)
+        # The adapter requires Q/K/V in the model's activation dtype.
+        worker.model_config.dtype = compat.torch_dtype(case.dtype)
         layer = _LayerGeometry(self.cls, self.num_heads, case.head_size ** -0.5)
         spec = _non_causal(_spec(case))
         runner = DiffusionKVModelRunnerBackend(vllm_config=worker, od_config=od_config,
@@ -320,10 +325,12 @@ class NativeDriver:
         paged_rows = [DiffusionPagedAttentionRow(
             request_id=f"kvl7-{r.request}", query_len=r.query_len, seq_len=r.seq_len,
             kv_start_pos=r.kv_start, sequence_id=0) for r in rows]
-        batch = adapter.prepare_batch(paged_rows)
+        with _harness("vllm-omni's adapter preparing the batch"):
+            batch = adapter.prepare_batch(paged_rows)
         with adapter.activate(batch):
-            context = adapter.prepare_layer_context(layer, query.to(self.device),
-                                                    key.to(self.device), value.to(self.device))
+            with _harness("vllm-omni's adapter preparing the layer context"):
+                context = adapter.prepare_layer_context(
+                    layer, query.to(self.device), key.to(self.device), value.to(self.device))
             return self.impl.forward_paged(context)
 
 
@@ -347,9 +354,13 @@ def _non_causal(spec: Any) -> Any:
     return spec
 
 
-def import_error(module: str) -> str | None:
+@contextlib.contextmanager
+def _harness(what: str) -> Iterator[None]:
+    """Production set-up around the backend's call: its failure is the harness's."""
     try:
-        importlib.import_module(module)
+        yield
+    except HarnessError:
+        raise
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
+        raise HarnessError(f"KV-L7 set-up: {what} failed: {exc!r}") from exc
+

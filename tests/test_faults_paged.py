@@ -80,3 +80,21 @@ def test_l7_layouts_follow_the_declared_need() -> None:
     assert sorted(refused) == ["BHLNC", "BLHNC", "BLNHC"]
     accepted, _ = paged.accepted_layouts(PagedOkBlockStride)
     assert sorted(accepted) == ["BHLNC", "BLHNC", "BLNHC"]
+
+
+def test_l7_setup_failure_is_a_harness_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Production allocation failing is the harness's problem, never the backend's."""
+    from pytest_kvconform import compat
+    from pytest_kvconform.checks import paged
+    from pytest_kvconform.model import BackendUnderTest
+    from pytest_kvconform.outcomes import ClauseFailure, HarnessError
+    from tests.paged_standins import PagedOk
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("allocator exploded")
+
+    monkeypatch.setattr(compat, "init_kv_cache", broken)
+    backend = BackendUnderTest("PAGED_OK", "tests.paged_standins:PagedOk", "hook", cls=PagedOk)
+    with pytest.raises(HarnessError, match="allocator exploded") as info:
+        paged.check_kv_l7(backend, "cpu")
+    assert not isinstance(info.value, ClauseFailure)
