@@ -74,9 +74,9 @@ for b in FLASH_ATTN PAGED_OK PAGED_OK_BS PAGED_NO_TABLE PAGED_BAD_STRIDE PAGED_T
     l7+=(--kv-backend "$b")
 done
 t=$(date +%s)
-"$py" -m pytest "${plugin[@]}" -p tests.paged_standins --kv-conformance -p no:cacheprovider \
-    -p no:xdist -q -rs -k "kv_a6 or kv_l7" "${a6[@]}" "${l7[@]}" \
-    --kv-report "$out/gpu.json" "${extra[@]}" > "$out/gpu.log" 2>&1 || true
+"$py" -m pytest ${plugin[@]+"${plugin[@]}"} -p tests.paged_standins --kv-conformance -p no:cacheprovider \
+    -p no:xdist -q -rs -k "(kv_a6 and not PAGED_) or kv_l7" "${a6[@]}" "${l7[@]}" \
+    --kv-report "$out/gpu.json" ${extra[@]+"${extra[@]}"} > "$out/gpu.log" 2>&1 || true
 echo "$(( $(date +%s) - t ))" > "$out/gpu.seconds"
 tail -25 "$out/gpu.log"
 
@@ -130,7 +130,7 @@ def test_pinning(kv_device, worker_id, i):
 EOF
 t=$(date +%s)
 KVCONFORM_PINNING_DIR="$probe/seen" KVCONFORM_PINNING_TESTS=$((ngpu * 8)) \
-    "$py" -m pytest "${plugin[@]}" --kv-conformance -p no:cacheprovider -q -n auto \
+    "$py" -m pytest ${plugin[@]+"${plugin[@]}"} --kv-conformance -p no:cacheprovider -q -n auto \
     "$probe/test_pinning.py" -k "pinning or kv_l1" --kv-report "$out/xdist.json" \
     > "$out/xdist.log" 2>&1 || status=1
 echo "$(( $(date +%s) - t ))" > "$out/xdist.seconds"

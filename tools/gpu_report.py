@@ -48,7 +48,9 @@ def judge_l7(results: list[dict]) -> list[tuple[str, str, bool, str]]:
             why = "passes with vLLM's kernels; skipped for them in the bundle"
         else:
             ok, why = st in ("passed", "skipped"), ""
-        rows.append((b, st, ok, f"{why}: {reason[:300]}" if reason else why))
+        at = reason.find("first block")
+        shown = (reason[:reason.find("]") + 1] + " ... " + reason[at:]) if at >= 0 else reason
+        rows.append((b, st, ok, f"{why}: {shown[:400]}" if reason else why))
     return rows
 
 
