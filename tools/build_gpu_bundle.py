@@ -98,6 +98,11 @@ class Outcomes:
 
 outcomes = Outcomes()
 code = pytest.main(json.loads(sys.argv[1]), plugins=[outcomes])
+for name in json.loads(sys.argv[3]):  # what the device run imports beyond this CPU run
+    try:
+        __import__(name)
+    except Exception as exc:
+        print(f"trace: importing {name} failed: {exc!r}")
 mods = {name: getattr(m, "__file__", None) for name, m in list(sys.modules.items())}
 json.dump({"exit": int(code), "modules": mods, "outcomes": outcomes.seen},
           open(sys.argv[2], "w"))
@@ -124,7 +129,8 @@ def trace(python: str, path: list[str] | None = None) -> dict:
         if path is not None:  # not installed there: no pytest11 entry point
             args = ["-p", "pytest_kvconform.plugin", *args]
         quiet = None if os.environ.get("KVCONFORM_BUNDLE_DEBUG") else subprocess.DEVNULL
-        subprocess.run([python, *flags, "-c", _TRACE, json.dumps(args), str(out)], cwd=tmp,
+        subprocess.run([python, *flags, "-c", _TRACE, json.dumps(args), str(out),
+                        json.dumps(ENTRY_MODULES)], cwd=tmp,
                        env=env, check=False, stdout=quiet)
         if not out.exists():
             raise SystemExit("build_gpu_bundle: the trace run wrote nothing")
@@ -224,7 +230,8 @@ def import_closure(src: Path, start: list[str]) -> list[str]:
         if "imports ok" in done.stdout:
             return sorted(set(wheeled))
         missing = re.findall(r"No module named '([\w.]+)'", done.stderr)
-        owners = by_top.get(missing[-1].partition(".")[0], []) if missing else []
+        top = missing[-1].partition(".")[0] if missing else ""
+        owners = by_top.get(top, []) if top not in ("vllm", "vllm_omni") else []
         if not owners:
             raise SystemExit(f"build_gpu_bundle: import closure stuck:\n{done.stderr[-3000:]}")
         wheeled += [o.lower().replace("_", "-") for o in owners]
