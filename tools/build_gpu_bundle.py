@@ -60,7 +60,7 @@ CLOSURE_SEED = (
     "pydantic-core", "pyzmq", "starlette", "tiktoken", "typing-inspection", "uvloop",
     "xgrammar", "yarl",
 )
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
+PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_29_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux2010_x86_64", "manylinux1_x86_64", "any")
 # What the GPU checks import (plugin, KV-A workers, KV-L7 drivers); the wheels are the
@@ -376,12 +376,15 @@ def main(argv: list[str] | None = None) -> int:
             if child != keep:
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
     dest.mkdir(parents=True, exist_ok=True)
+    print("build_gpu_bundle: tracing the GPU checks' selection here ...", flush=True)
     full = trace(sys.executable)
     modules = full["modules"]
     sources = copy_sources(modules, dest)
     traced = needed_distributions(modules)
+    print("build_gpu_bundle: import closure over the image ...", flush=True)
     closure = import_closure(dest / "src", [*ALWAYS_WHEELED, *CLOSURE_SEED])
     wanted = {d: md.version(d) for d in closure}
+    print(f"build_gpu_bundle: {len(wanted)} distributions to wheel ...", flush=True)
     missing = {} if ns.no_download else download(wanted, dest)
     copy_plugin(dest)
     shutil.copy2(ROOT / "tools" / "gpu_bundle_install.py", dest / "install.py")
