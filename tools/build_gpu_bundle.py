@@ -60,7 +60,8 @@ CLOSURE_SEED = (
     "pydantic-core", "pyzmq", "starlette", "tiktoken", "typing-inspection", "uvloop",
     "xgrammar", "yarl",
 )
-PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_29_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
+PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_29_x86_64", "manylinux_2_28_x86_64",
+             "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux2010_x86_64", "manylinux1_x86_64", "any")
 # What the GPU checks import (plugin, KV-A workers, KV-L7 drivers); the wheels are the
