@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_kvconform import compat
-from pytest_kvconform.outcomes import ClauseSkip, SkipKind
 from pytest_kvconform.model import Case
+from pytest_kvconform.outcomes import ClauseSkip, SkipKind
 
 
 @dataclass
