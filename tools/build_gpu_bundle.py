@@ -42,12 +42,15 @@ IMAGE_HAS = {
     "safetensors", "pyyaml", "regex", "requests", "packaging", "filelock", "tqdm",
     "typing-extensions", "jinja2", "markupsafe", "sympy", "mpmath", "networkx", "fsspec",
     "setuptools", "certifi", "charset-normalizer", "idna", "urllib3", "hf-xet",
-    "typer-slim", "typer", "click", "shellingham", "rich", "markdown-it-py", "mdurl",
-    "pygments", "httpx", "httpcore", "h11", "anyio", "sniffio",
+    "typer-slim", "typer", "click", "shellingham", "httpx", "httpcore", "h11", "anyio", "sniffio",
 }
 # Never bundled: ours (copied as source), compiled-kernel carriers, the image's CUDA libs.
 NOT_WHEELED = {"vllm", "vllm-omni", "pytest-kvconform"}
-ALWAYS_WHEELED = ("pytest", "pluggy", "iniconfig", "pytest-xdist", "execnet")
+ALWAYS_WHEELED = ("pytest", "pluggy", "iniconfig", "pygments", "pytest-xdist", "execnet")
+# Imported for real under python3.12 by --check-py312 (they need no torch).
+PY312_IMPORTS = ("pytest", "xdist", "pytest_kvconform.plugin", "pytest_kvconform.cli", "zmq",
+                 "msgspec", "pydantic", "aiohttp", "cbor2", "cloudpickle", "psutil", "PIL",
+                 "xgrammar", "llguidance", "openai", "fastapi")
 # Where the import closure starts (found by import_closure for vLLM 0.30 + vllm-omni 0.30;
 # it only saves iterations: the closure still grows from here, and the verification run
 # still has to reproduce the full environment's outcomes).
@@ -347,6 +350,8 @@ def check_py312(dest: Path) -> int:
                               text=True, check=False)
         version = subprocess.run([py, "--version"], env=env, capture_output=True, text=True,
                                  check=False).stdout.strip()
+        real = subprocess.run([py, "-c", "".join(f"import {m}\n" for m in PY312_IMPORTS)],
+                              env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         print(done.stderr[-3000:])
         return 1
@@ -355,11 +360,15 @@ def check_py312(dest: Path) -> int:
           f"{'ok' if compiled.returncode == 0 else 'FAILED'}; "
           f"{result['checked']} module-level imports checked, "
           f"{len(result['unresolved'])} unresolved")
+    print(f"build_gpu_bundle: {version}: imported {', '.join(PY312_IMPORTS)}: "
+          f"{'ok' if real.returncode == 0 else 'FAILED'}")
+    if real.returncode:
+        print(real.stderr[-3000:])
     if compiled.returncode:
         print(compiled.stdout[-3000:], compiled.stderr[-3000:])
     for name, where in sorted(result["unresolved"].items()):
         print(f"  unresolved: {name} (imported by {where})")
-    return 1 if compiled.returncode or result["unresolved"] else 0
+    return 1 if compiled.returncode or real.returncode or result["unresolved"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
