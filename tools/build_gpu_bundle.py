@@ -50,7 +50,11 @@ ALWAYS_WHEELED = ("pytest", "pluggy", "iniconfig", "pygments", "pytest-xdist", "
 # Imported for real under python3.12 by --check-py312 (they need no torch).
 PY312_IMPORTS = ("pytest", "xdist", "pytest_kvconform.plugin", "pytest_kvconform.cli", "zmq",
                  "msgspec", "pydantic", "aiohttp", "cbor2", "cloudpickle", "psutil", "PIL",
-                 "xgrammar", "llguidance", "openai", "fastapi")
+                 "openai", "fastapi")
+# Stand-ins for the image's pure-Python packages in that real import (this env's copies).
+PY312_IMAGE_PURE = ("typing-extensions", "packaging", "pyyaml", "requests", "idna", "certifi",
+                    "urllib3", "anyio", "httpx", "httpcore", "h11", "sniffio", "jinja2",
+                    "markupsafe", "filelock", "tqdm", "typing-inspection")
 # Where the import closure starts (found by import_closure for vLLM 0.30 + vllm-omni 0.30;
 # it only saves iterations: the closure still grows from here, and the verification run
 # still has to reproduce the full environment's outcomes).
@@ -350,8 +354,10 @@ def check_py312(dest: Path) -> int:
                               text=True, check=False)
         version = subprocess.run([py, "--version"], env=env, capture_output=True, text=True,
                                  check=False).stdout.strip()
+        image = filtered_site(list(PY312_IMAGE_PURE), Path(tmp) / "image")
+        real_env = dict(env, PYTHONPATH=env["PYTHONPATH"] + os.pathsep + str(image))
         real = subprocess.run([py, "-c", "".join(f"import {m}\n" for m in PY312_IMPORTS)],
-                              env=env, capture_output=True, text=True, check=False)
+                              env=real_env, capture_output=True, text=True, check=False)
     if done.returncode:
         print(done.stderr[-3000:])
         return 1
