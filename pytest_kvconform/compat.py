@@ -649,3 +649,28 @@ def device_free_memory(device: str) -> int | None:
         return None
     free, _total = torch.cuda.mem_get_info(torch.device(device))
     return int(free)
+
+
+# --- KV-L7: the paged read path ------------------------------------------------------
+
+
+def paged_attention_context(*, layer: Any, query: Any, key_write: Any, value_write: Any,
+                            slot_mapping: Any, native_metadata: Any,
+                            query_token_shape: tuple[int, ...]) -> Any:
+    """vllm-omni's ``DiffusionPagedAttentionContext`` for one layer, without a piecewise plan.
+
+    The backend's ``forward_paged`` receives the production type; fields the
+    installed version adds beyond these are left at their defaults.
+    """
+    from vllm_omni.diffusion.diffusion_kv.paged_attention_adapter import (
+        DiffusionPagedAttentionContext,
+    )
+
+    values: dict[str, Any] = {
+        "layer": layer, "query": query, "key_write": key_write, "value_write": value_write,
+        "slot_mapping": slot_mapping, "native_metadata": native_metadata,
+        "piecewise_plan": None, "piecewise_native_metadata": (),
+        "query_token_shape": query_token_shape, "query_has_head_dims": True,
+    }
+    params = inspect.signature(DiffusionPagedAttentionContext).parameters
+    return DiffusionPagedAttentionContext(**{k: v for k, v in values.items() if k in params})

@@ -336,18 +336,11 @@ def seam_backend(need: bool) -> BackendUnderTest:
                             cls=cls)
 
 
-def check_kv_l7(backend: BackendUnderTest, device: str = "cpu") -> None:
-    """KV-L7: the paged read path; needs the backend's kernel device."""
-    clause = "KV-L7"
-    cls = backend_class(clause, backend)
-    if not getattr(cls, "supports_paged_kv", False):
-        raise ClauseSkip(clause, "the backend does not declare supports_paged_kv; it has no "
-                         "paged read path", SkipKind.NOT_APPLICABLE)
-    if not device.startswith("cuda"):
-        raise ClauseSkip(clause, "needs the backend's kernel device (CUDA)", SkipKind.HARDWARE)
-    # Not HARDWARE: the device is here, so strict qualification must not count this as covered.
-    raise ClauseSkip(clause, "the paged read-path comparison is not implemented on this version "
-                     "of pytest-kvconform", SkipKind.ENVIRONMENT)
+def check_kv_l7(backend: BackendUnderTest, device: str = "cpu") -> str:
+    """KV-L7: the paged read path against a dense reference (``checks/paged.py``)."""
+    from pytest_kvconform.checks import paged
+
+    return paged.check_kv_l7(backend, device)
 
 
 def check_kv_l8_canonical(backend: BackendUnderTest) -> None:

@@ -8,6 +8,9 @@ from pytest_kvconform.checks import layout
 from pytest_kvconform.model import BackendUnderTest
 from pytest_kvconform.suite.runner import run_check
 
+# user_properties key: which layouts x cases KV-L7 covered, and which did not apply.
+L7_COVERAGE_PROPERTY = "kv_l7_coverage"
+
 
 def test_kv_l1(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
     """KV-L1 declaration."""
@@ -47,8 +50,13 @@ def test_kv_l6_seam(request: pytest.FixtureRequest, kv_need: bool, kv_device: st
 
 def test_kv_l7(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
                kv_device: str) -> None:
-    """KV-L7 paged read path (CUDA)."""
-    run_check(request, layout.check_kv_l7, kv_backend, kv_device)
+    """KV-L7 paged read path against a dense reference, on the backend's kernel device."""
+
+    def check(backend: BackendUnderTest, device: str) -> None:
+        covered = layout.check_kv_l7(backend, device)
+        request.node.user_properties.append((L7_COVERAGE_PROPERTY, covered))
+
+    run_check(request, check, kv_backend, kv_device)
 
 
 def test_kv_l8_canonical(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
