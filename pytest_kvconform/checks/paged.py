@@ -249,7 +249,7 @@ class _Ctx:
         pick = [(d.queries[layer][r.request][r.kv_start:r.seq_len],
                  d.keys[layer][r.request][r.kv_start:r.seq_len],
                  d.values[layer][r.request][r.kv_start:r.seq_len]) for r in rows]
-        return tuple(torch.cat(parts) for parts in zip(*pick, strict=True))  # type: ignore
+        return tuple(torch.cat(parts) for parts in zip(*pick, strict=True))
 
     def _run(self, step: str, layer: str, rows: tuple[Row, ...]) -> Any:
         import torch
