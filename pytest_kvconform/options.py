@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from pytest_kvconform.budget import DEFAULT_TIMEOUT_S
+
 GROUP = "kvconform"
 
 
@@ -47,6 +49,11 @@ def add_options(parser: pytest.Parser) -> None:
     both("--kv-memory-fraction", "kv_memory_fraction",
          "fraction of a GPU's free memory KV-A6 allocates (default 0.5)", default=None,
          metavar="F", ini_type="string", ini_default="0.5")
+    both("--kv-timeout", "kv_timeout",
+         "per-test budget in seconds: a clause check still waiting (on a worker, or on a "
+         "backend's declaration) after it is an error naming what it waited for "
+         f"(default {DEFAULT_TIMEOUT_S:g})", default=None, metavar="SECONDS",
+         ini_type="string", ini_default=f"{DEFAULT_TIMEOUT_S:g}")
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ class Options:
     strict: bool = False
     allow_oversubscribe: bool = False
     memory_fraction: float = 0.5
+    timeout: float = DEFAULT_TIMEOUT_S
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -84,6 +92,7 @@ class Options:
                                     "number") from None
         if not 0 < fraction <= 1:
             raise pytest.UsageError(f"--kv-memory-fraction: {fraction} must be in (0, 1]")
+        timeout = _timeout(str(get("kv_timeout")))
         return cls(
             enabled=bool(get("kv_conformance")),
             backends=tuple(get("kv_backend") or ()),
@@ -94,10 +103,23 @@ class Options:
             strict=bool(get("kv_strict")),
             allow_oversubscribe=bool(get("kv_allow_oversubscribe")),
             memory_fraction=fraction,
+            timeout=timeout,
             raw={
                 "backends": list(get("kv_backend") or []), "device": str(get("kv_device")),
                 "cases": [str(c) for c in cases], "report": report, "xfails": xfails,
                 "strict": bool(get("kv_strict")), "memory_fraction": fraction,
+                "timeout": timeout,
                 "numprocesses": getattr(config.option, "numprocesses", None),
             },
         )
+
+
+def _timeout(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise pytest.UsageError(f"--kv-timeout: {text!r} is not a number of seconds") from None
+    if not 0 < seconds < float("inf"):
+        raise pytest.UsageError(f"--kv-timeout: {seconds:g} must be a positive number of "
+                                "seconds")
+    return seconds

@@ -45,6 +45,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kv_cases(predicate): select the spec cases a suite "
                             "test is parametrised with (predicate(case) -> bool)")
     _add_suite(config)
+    if hasattr(config, "workerinput"):  # an xdist worker never outlives its controller
+        from pytest_kvconform.workers import exit_with_parent
+
+        exit_with_parent()
     from pytest_kvconform.session import KvSession
 
     config.pluginmanager.register(KvSession(config, options), SESSION_PLUGIN)
