@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_kvconform import report as report_mod
-from pytest_kvconform.workers import FAULT_ENV, PIDDIR_ENV
+from pytest_kvconform.workers import PIDDIR_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 LEAK_GRACE_S = 5.0  # the issue's bound: nothing is left 5 s after a kill
@@ -72,6 +72,7 @@ class Outcome:
     """What one scenario left behind."""
 
     name: str
+    workdir: Path
     returncode: int | None
     output: str
     seconds: float
@@ -180,7 +181,7 @@ def _finish(name: str, proc: subprocess.Popen[str], piddir: Path, started: float
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         output += f"\n[faultkit] run did not finish within {timeout:.0f}s; killed"
-    outcome = Outcome(name, proc.returncode, output, time.monotonic() - started)
+    outcome = Outcome(name, piddir.parent, proc.returncode, output, time.monotonic() - started)
     outcome.workers = worker_pids(piddir)
     outcome.watched = watched | outcome.workers
     outcome.leaked = wait_gone(outcome.watched)
