@@ -238,7 +238,7 @@ class WorkerHandle:
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> dict[str, Any]:
         if not self.ready:
-            self.info = self._receive("start-up", timeout)
+            self.info = self._receive("start-up", timeout, budgeted=False)
             self.ready = True
         return self.info
 
@@ -260,7 +260,7 @@ class WorkerHandle:
         self.send({"cmd": cmd, **fields})
         return self.receive(cmd, timeout)
 
-    def _receive(self, what: str, timeout: float) -> Any:
+    def _receive(self, what: str, timeout: float, budgeted: bool = True) -> Any:
         try:
             ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], timeout)
             reply = self.conn.recv() if self.conn in ready else None
@@ -282,8 +282,9 @@ class WorkerHandle:
             return reply.get("result")
         if not ready:
             self.kill()
-            raise WorkerTimeout(f"{self!r} did not answer {what!r} within "
-                                f"{budget.describe(timeout)} and was killed (the pool replaces "
+            limit = budget.describe(timeout) if budgeted else f"{timeout:.1f}s"
+            raise WorkerTimeout(f"{self!r} did not answer {what!r} within {limit} and was "
+                                f"killed (the pool replaces "
                                 f"it)\n--- worker stderr (tail) ---\n{self.stderr_tail()}")
         raise self._died(f"during {what!r}")
 

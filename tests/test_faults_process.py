@@ -110,6 +110,22 @@ def test_hung_command_times_out_within_the_budget_and_is_replaced(
     assert pool.replaced == 1
 
 
+def test_worker_start_up_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker stuck importing (a preload that blocks) is killed at the start-up limit."""
+    (tmp_path / "kvconform_stuck_import.py").write_text("import time\ntime.sleep(600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned child gets this sys.path
+    own = workers.WorkerPool(preload=("kvconform_stuck_import",))
+    try:
+        own.prestart(["cpu"])
+        handle = own.workers[("cpu", 0)]
+        with pytest.raises(workers.WorkerTimeout,
+                           match=r"did not answer 'start-up' within 2\.0s and was killed"):
+            handle.wait_ready(timeout=2.0)
+        assert not handle.alive
+    finally:
+        own.close()
+
+
 def test_worker_killed_mid_command_is_worker_died(pool: workers.WorkerPool,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     handle = pool.get(["cpu"])[0]
