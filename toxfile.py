@@ -39,5 +39,22 @@ def default_work_dir(root: Path = ROOT) -> Path:
 os.environ.setdefault(ENV_VAR, str(default_work_dir()))
 
 
+def prune(keep: Path) -> list[Path]:
+    """Remove environments built for other pins (several GB each); return what went."""
+    import shutil
+
+    gone = []
+    for old in sorted(cache_root().glob("tox-*")):
+        if old.is_dir() and old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+            gone.append(old)
+    return gone
+
+
 if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--prune"]:
+        for path in prune(default_work_dir()):
+            print(f"toxfile: removed {path} (built for other pins)")
     print(os.environ[ENV_VAR])

@@ -1,9 +1,28 @@
 """pytest-kvconform: vLLM KV-cache layout conformance for diffusion attention backends."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
 # Version of contract.md (shipped in this package) that the clause ids refer to.  Reports of
 # different contract versions are not merged.
 CONTRACT_VERSION = "1"
 
-__all__ = ["CONTRACT_VERSION", "__version__"]
+__all__ = ["CONTRACT_VERSION", "CheckResult", "__version__", "check_backend"]
+
+if TYPE_CHECKING:
+    from pytest_kvconform.api import CheckResult, check_backend
+
+# The plain Python API, imported on first use: importing the package (as pytest does for
+# every run, --kv-conformance or not) stays free of torch, vLLM and the checks.
+_LAZY = {"check_backend": "pytest_kvconform.api", "CheckResult": "pytest_kvconform.api"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

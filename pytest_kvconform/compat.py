@@ -17,9 +17,9 @@ from collections.abc import Iterator, Sequence
 from functools import cache
 from typing import Any
 
-from pytest_kvconform.outcomes import ClauseSkip, SkipKind
 from pytest_kvconform.model import Case, installed_version
 from pytest_kvconform.oracle import PHYSICAL_LAYOUTS
+from pytest_kvconform.outcomes import ClauseSkip, SkipKind
 
 # The six physical layouts of the contract (the oracle parses them from their letters).
 LAYOUT_NAMES: tuple[str, ...] = PHYSICAL_LAYOUTS

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_kvconform import compat
-from pytest_kvconform.outcomes import ClauseSkip, SkipKind
 from pytest_kvconform.model import Case
+from pytest_kvconform.outcomes import ClauseSkip, SkipKind
 
 
 @dataclass
@@ -90,7 +90,7 @@ def sizing_spy() -> Iterator[list[str | None]]:
     (its ``initialization`` module), restoring it on exit.  Empty when the
     installed control plane sizes through another name.
     """
-    module = importlib.import_module("vllm_omni.diffusion.diffusion_kv.initialization")
+    module: Any = importlib.import_module("vllm_omni.diffusion.diffusion_kv.initialization")
     seen: list[str | None] = []
     original = getattr(module, "get_kv_cache_configs", None)
     if original is None:

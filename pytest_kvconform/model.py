@@ -1,16 +1,18 @@
 """Plain records shared by discovery, checks, the pytest front-end and the report.
 
-Stdlib only: every other module may import this one, and it imports nothing of ours.
+Stdlib only: every other module may import this one; it imports only the bottom
+(the clause grammar in ``clauses``).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-CLAUSE_RE = re.compile(r"^KV-[LSNA][0-9]+$")
+from pytest_kvconform.clauses import CLAUSE_RE as CLAUSE_RE  # re-exported: one grammar
+from pytest_kvconform.clauses import clause_from_test_name as clause_from_test_name
+
 # user_properties key carrying a ClauseSkip's kind from the test to the report.
 SKIP_KIND_PROPERTY = "kv_skip_kind"
 
@@ -21,14 +23,6 @@ def installed_version(dist: str) -> str | None:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
-
-
-def clause_from_test_name(name: str) -> str | None:
-    """``test_kv_l2`` / ``test_kv_l2[FLASH_ATTN]`` -> ``KV-L2``; None for other tests."""
-    m = re.match(r"^test_kv_([lsna])([0-9]+)(?:_\w+)?(?:\[|$)", name)
-    if m is None:
-        return None
-    return f"KV-{m.group(1).upper()}{m.group(2)}"
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ class OutOfRange(NamedTuple):
     """A logical cell whose address falls outside the allocation."""
 
     address: int
-    index: tuple[int, ...]
+    index: tuple[int, ...]  # type: ignore[assignment]  # shadows tuple.index, by design
 
 
 def physical_order(layout: LayoutLike) -> tuple[str, ...]:

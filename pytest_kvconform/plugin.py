@@ -68,7 +68,7 @@ def kv_session(config: pytest.Config) -> KvSession:
     plugin = config.pluginmanager.get_plugin(SESSION_PLUGIN)
     if plugin is None:
         raise pytest.UsageError("the kvconform fixtures need --kv-conformance")
-    return plugin  # type: ignore[no-any-return]
+    return plugin
 
 
 @pytest.fixture(scope="session")

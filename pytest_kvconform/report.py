@@ -36,6 +36,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from pytest_kvconform import CONTRACT_VERSION
+from pytest_kvconform.clauses import FAMILY_ORDER
 from pytest_kvconform.model import CLAUSE_RE, installed_version
 
 SCHEMA = "pytest-kvconform/report/1"
@@ -62,7 +63,7 @@ _CELL_CHAR = {
     "xpassed": "X",
     "error": "E",
 }
-_CLAUSE_FAMILY_ORDER = "LSNA"  # the contract's section order
+_CLAUSE_FAMILY_ORDER = FAMILY_ORDER  # the contract's section order
 _NVIDIA_SMI_TIMEOUT_S = 5.0
 
 _TOP_KEYS = (
@@ -308,6 +309,7 @@ def validate_report(obj: Any) -> None:
     Besides shapes and types, the summary, verdict and uncovered list must
     agree with the results: a hand-edited verdict is caught here.
     """
+    key: Any  # a backend's key (str), then a result's sort key (tuple)
     _expect_keys(obj, "$", _TOP_KEYS)
     if obj["schema"] != SCHEMA:
         raise ReportError("$.schema", f"expected {SCHEMA!r}, got {obj['schema']!r}")

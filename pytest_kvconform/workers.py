@@ -337,7 +337,7 @@ class WorkerHandle:
         return list(self.request("read_back", regions=[tuple(r) for r in regions]))
 
     def free_memory(self) -> int | None:
-        return self.request("free_memory")  # type: ignore[no-any-return]
+        return self.request("free_memory")
 
     def release(self) -> None:
         """Drop the worker's allocation (and, on CUDA, return it to the driver)."""

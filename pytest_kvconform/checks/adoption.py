@@ -218,8 +218,8 @@ def _crossed_process_boundary(run: _Run, rank: int, report: dict[str, Any],
                            f"process ({key})", layout=layout, expected=want, actual=seen)
 
 
-def _first_field_difference(run: _Run, cp: ControlPlane, rank: int, sent: dict[str, Any],
-                            received: dict[str, Any], path: str = "") -> None:
+def _first_field_difference(run: _Run, cp: ControlPlane, rank: int, sent: Any,
+                            received: Any, path: str = "") -> None:
     if isinstance(sent, dict) and isinstance(received, dict):
         for key in sent:
             _first_field_difference(run, cp, rank, sent[key], received.get(key),

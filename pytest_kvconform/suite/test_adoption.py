@@ -11,14 +11,16 @@ from typing import Any
 
 import pytest
 
+from pytest_kvconform import clauses
 from pytest_kvconform.checks import adoption
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.suite.runner import run_check
 
-A_CASES = ("bf16_h8", "ws2")  # world size 1 and 2
-world_sizes = pytest.mark.kv_cases(lambda c: c.id in A_CASES)
-multi_rank = pytest.mark.kv_cases(lambda c: c.id in A_CASES and c.world_size > 1)
-single_rank = pytest.mark.kv_cases(lambda c: c.id in A_CASES and c.world_size == 1)
+# The case predicates live in the clause table (``with_args``: a lone function would be
+# taken as the decorated test).
+world_sizes = pytest.mark.kv_cases.with_args(clauses.adoption_case)
+multi_rank = pytest.mark.kv_cases.with_args(clauses.adoption_multi_rank)
+single_rank = pytest.mark.kv_cases.with_args(clauses.adoption_single_rank)
 
 
 @pytest.fixture(scope="module")

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_kvconform import clauses
 from pytest_kvconform.checks import nullblock
 from pytest_kvconform.model import Case
 from pytest_kvconform.suite.runner import run_check
 
-
 # ``with_args``: a named function as the only argument would be taken as the decorated test.
-def _one_rank_one_group(case: Case) -> bool:
-    return case.world_size == 1 and case.num_groups == 1
-
-
-def _one_group(case: Case) -> bool:
-    return case.num_groups == 1
+_one_rank_one_group = clauses.one_rank_one_group
+_one_group = clauses.one_group
 
 
 @pytest.mark.kv_cases.with_args(_one_rank_one_group)

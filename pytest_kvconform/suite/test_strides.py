@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_kvconform import clauses
 from pytest_kvconform.checks import strides
 from pytest_kvconform.model import Case
 from pytest_kvconform.suite.runner import run_check
 
-
-def _plain(case: Case) -> bool:
-    """One rank, one group, no padding: the cases every layout must lay out."""
-    return case.world_size == 1 and case.num_groups == 1 and case.page_size_padded is None
-
-
-def _dense(case: Case) -> bool:
-    return _plain(case) and case.kernel_block_size is None
-
-
-def _split_or_padded(case: Case) -> bool:
-    return case.world_size == 1 and case.num_groups == 1 and (
-        case.kernel_block_size is not None or case.page_size_padded is not None)
+# The case predicates live in the clause table.
+_plain = clauses.plain
+_dense = clauses.dense
+_split_or_padded = clauses.split_or_padded
 
 
 @pytest.mark.kv_cases.with_args(_plain)
@@ -56,7 +48,7 @@ def test_kv_s4(request: pytest.FixtureRequest, kv_layout: str, kv_case: Case,
     run_check(request, strides.check_kv_s4, kv_layout, kv_case, kv_device)
 
 
-@pytest.mark.kv_cases(lambda case: case.world_size == 1 and case.num_groups > 1)
+@pytest.mark.kv_cases.with_args(clauses.several_groups)
 def test_kv_s5(request: pytest.FixtureRequest, kv_layout: str, kv_case: Case,
                kv_device: str) -> None:
     """KV-S5 several cache groups: one group's layers never alias."""

@@ -1,0 +1,327 @@
+"""``check_backend``: the conformance clauses for one backend, without pytest.
+
+What ``check_estimator`` is to scikit-learn: the same check functions the
+pytest suite runs, parametrised from the same clause table
+(:mod:`pytest_kvconform.clauses`), returned as :class:`CheckResult` records
+instead of test outcomes.  Nothing here imports pytest; torch, vLLM and
+vllm-omni are imported by the checks when they run.
+
+    >>> from pytest_kvconform import check_backend
+    >>> results = check_backend(TorchSDPABackend, clauses=["KV-L1", "KV-L2"])
+    >>> [r.status for r in results]
+    ['passed', 'passed']
+
+Scope: every clause by default, KV-A included.  The adoption clauses (KV-A2..A6)
+start spawned worker processes, which import vLLM (~20-40 s each, overlapped);
+they are closed before ``check_backend`` returns unless a pytest
+``--kv-conformance`` session in this process still holds them.  Pass
+``clauses=`` to run fewer.  The per-need seam variants (``need_False`` /
+``need_True``, which test the control plane rather than the backend) run only
+with ``seams=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pytest_kvconform import clauses as clauses_mod
+from pytest_kvconform.model import BackendUnderTest, Case
+from pytest_kvconform.outcomes import ClauseFailure, ClauseSkip, ErrorKind, HarnessError, SkipKind
+
+Status = Literal["passed", "failed", "skipped", "error"]
+STATUSES: tuple[Status, ...] = ("passed", "failed", "skipped", "error")
+API_SOURCE = "api"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One run of one check: a clause for a backend (or a need), a layout and a case.
+
+    ``backend`` is None for the clauses that do not depend on the backend
+    (KV-S, KV-N: they check the installed vLLM / vllm-omni code), and
+    ``need_False`` / ``need_True`` for the control plane's seam variants.
+    ``test`` is the id the pytest suite gives the same run.
+    """
+
+    clause: str
+    backend: str | None
+    case: str | None
+    layout: str | None
+    status: Status
+    message: str = ""
+    skip_kind: SkipKind | None = None
+    error_kind: ErrorKind | None = None
+    test: str = ""
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Passed, or skipped for a reason strict qualification forgives this clause."""
+        return self.status == "passed" or (
+            self.status == "skipped" and clauses_mod.skip_forgiven(self.clause, self.skip_kind))
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One planned call: a check and the parameters it runs with."""
+
+    clause: clauses_mod.Clause
+    check: clauses_mod.Check
+    who: BackendUnderTest | bool | None
+    layout: str | None
+    case: Case | None
+    # Set when the selected cases leave this clause nothing to run on: reported, not dropped.
+    no_case: str | None = None
+
+    @property
+    def backend_label(self) -> str | None:
+        if isinstance(self.who, bool):
+            return f"need_{self.who}"
+        return self.who.name if self.who is not None else None
+
+    @property
+    def test_id(self) -> str:
+        ids = [p for p in (self.backend_label, self.layout,
+                           self.case.id if self.case is not None else None) if p is not None]
+        name = self.clause.test_name(self.check)
+        return f"{name}[{'-'.join(ids)}]" if ids else name
+
+
+def check_backend(
+    backend_cls: Any,
+    cases: Sequence[Case | str] | None = None,
+    clauses: Iterable[str] | None = None,
+    *,
+    device: str = "auto",
+    seams: bool = False,
+    memory_fraction: float = 0.5,
+) -> list[CheckResult]:
+    """Run the applicable clauses against ``backend_cls``; one :class:`CheckResult` per run.
+
+    ``backend_cls``: the backend's class (a registry member's class is tested
+    under its registry name), a :class:`~pytest_kvconform.model.BackendUnderTest`,
+    or a string: a ``DiffusionAttentionBackendEnum`` member name or an import path.
+    ``cases``: the spec cases (Case records, or ids of the shipped cases);
+    None means every shipped case.  ``clauses``: clause ids (``"KV-L2"``);
+    None means all.  ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Bad input (an unknown clause, case or backend name, a bad device) raises one
+    ValueError naming it; a failing check never raises, it is a result.
+    """
+    selected = clauses_mod.select(clauses)
+    torch_device, gpu_ids = _device(device)
+    with _quiet_vllm():
+        case_list = _cases(cases)
+        backend = backend_under_test(backend_cls)
+        plan = list(_plan(selected, backend, case_list, seams=seams))
+        with _worker_pool(plan, torch_device, gpu_ids) as kv_workers:
+            return [_execute(run, torch_device, kv_workers, memory_fraction) for run in plan]
+
+
+# --- inputs ----------------------------------------------------------------------------------
+
+
+def backend_under_test(backend: Any) -> BackendUnderTest:
+    """A :class:`BackendUnderTest` for a class, a registry name or an import path."""
+    if isinstance(backend, BackendUnderTest):
+        return backend
+    from pytest_kvconform import discovery
+
+    if isinstance(backend, str):
+        registry, note = discovery.registry_backends()
+        for found in registry:
+            if found.name == backend:
+                return found
+        if "." not in backend and ":" not in backend:
+            names = ", ".join(b.name for b in registry) or f"none ({note})"
+            raise ValueError(f"check_backend: unknown backend {backend!r}; registry backends: "
+                             f"{names}; or pass the class or its import path")
+        try:
+            cls = discovery.import_object(backend)
+        except Exception as exc:  # reported by every clause as the backend's skip
+            return BackendUnderTest(backend, backend, API_SOURCE,
+                                    error=discovery.describe_error(exc))
+        return _from_class(cls)
+    if not isinstance(backend, type):
+        raise ValueError(f"check_backend: expected a backend class, a BackendUnderTest or a "
+                         f"name, got {backend!r}")
+    return _from_class(backend)
+
+
+def _from_class(cls: type) -> BackendUnderTest:
+    """The registry's record when ``cls`` is a registry member's class, else a new one."""
+    from pytest_kvconform import compat, discovery
+
+    if compat.omni_installed():
+        registry, _ = discovery.registry_backends()
+        for found in registry:
+            if found.cls is cls:
+                return found
+    return BackendUnderTest(cls.__name__, f"{cls.__module__}.{cls.__qualname__}", API_SOURCE,
+                            cls=cls)
+
+
+def _cases(cases: Sequence[Case | str] | None) -> list[Case]:
+    from pytest_kvconform import cases as cases_mod
+
+    if cases is not None and all(isinstance(c, Case) for c in cases):
+        return [c for c in cases if isinstance(c, Case)]
+    shipped = cases_mod.load_cases()
+    if cases is None:
+        return shipped
+    if isinstance(cases, str):
+        cases = [cases]
+    by_id = {c.id: c for c in shipped}
+    chosen: list[Case] = []
+    for item in cases:
+        if isinstance(item, Case):
+            chosen.append(item)
+        elif item in by_id:
+            chosen.append(by_id[item])
+        else:
+            raise ValueError(f"check_backend: unknown case {item!r}; shipped cases: "
+                             f"{', '.join(by_id)}")
+    return chosen
+
+
+def _device(device: str) -> tuple[str, list[str]]:
+    from pytest_kvconform import devices
+
+    try:
+        request = devices.parse_device_option(device)
+    except devices.DeviceError as exc:
+        raise ValueError(f"check_backend: {exc}") from None
+    gpu_ids = devices.visible_gpu_ids(os.environ, devices.count_gpus_without_cuda_init)
+    try:
+        return devices.torch_device_for(request, gpu_ids), gpu_ids
+    except devices.DeviceError as exc:
+        raise ValueError(f"check_backend: {exc}") from None
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+
+def _plan(selected: Sequence[clauses_mod.Clause], backend: BackendUnderTest,
+          cases: Sequence[Case], *, seams: bool) -> Iterator[_Run]:
+    """Every (check, parameters) the suite would collect for this one backend."""
+    from pytest_kvconform import compat
+
+    for clause in selected:
+        clause_cases = [c for c in cases if clause.cases is None or clause.cases(c)]
+        for check in clause.checks:
+            if check.seam and not seams:
+                continue
+            axes = check.axes
+            whos: list[BackendUnderTest | bool | None] = [None]
+            if "backend" in axes:
+                whos = [backend]
+            elif "need" in axes:
+                whos = [False, True]
+            layouts: list[str | None] = (list(compat.LAYOUT_NAMES) if "layout" in axes
+                                         else [None])
+            run_cases: list[Case | None] = list(clause_cases) if "case" in axes else [None]
+            if not run_cases:
+                reason = (f"{clause.id}: none of the selected cases "
+                          f"({', '.join(c.id for c in cases) or 'none'}) is one it runs on")
+                yield from (_Run(clause, check, who, None, None, reason) for who in whos)
+                continue
+            for who in whos:
+                for layout in layouts:
+                    for case in run_cases:
+                        yield _Run(clause, check, who, layout, case)
+
+
+@contextlib.contextmanager
+def _worker_pool(plan: Sequence[_Run], device: str, gpu_ids: list[str]) -> Iterator[Any]:
+    """The KV-A worker processes, held for the run and closed after it (no orphans)."""
+    sizes = [r.case.world_size for r in plan if r.check.needs_workers and r.case is not None]
+    if not sizes:
+        yield None
+        return
+    from pytest_kvconform import workers
+
+    workers.hold()
+    try:
+        kv_workers = workers.KvWorkers(device, gpu_ids)
+        kv_workers.prestart(max(sizes))  # their vLLM imports overlap the other clauses
+        yield kv_workers
+    finally:
+        workers.release()
+
+
+@contextlib.contextmanager
+def _quiet_vllm() -> Iterator[None]:
+    """vLLM logs every config it builds at INFO; the checks build hundreds."""
+    if "VLLM_LOGGING_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+
+
+# --- one run -----------------------------------------------------------------------------------
+
+
+def _arguments(run: _Run, device: str, kv_workers: Any, memory_fraction: float) -> list[Any]:
+    def workers_for_case() -> Any:
+        assert run.case is not None and kv_workers is not None
+        return kv_workers.for_world_size(run.case.world_size)
+
+    def need_backend() -> Any:
+        from pytest_kvconform.checks.layout import seam_backend
+
+        assert isinstance(run.who, bool)
+        return seam_backend(run.who)
+
+    values: dict[str, Callable[[], Any]] = {
+        "backend": lambda: run.who,
+        "need": lambda: run.who,
+        "need_backend": need_backend,
+        "layout": lambda: run.layout,
+        "case": lambda: run.case,
+        "device": lambda: device,
+        "workers": workers_for_case,
+        "workers_device": lambda: kv_workers.device,
+        "workers_factory": lambda: workers_for_case,
+        "memory_fraction": lambda: memory_fraction,
+    }
+    return [values[arg]() for arg in run.check.args]
+
+
+def _execute(run: _Run, device: str, kv_workers: Any, memory_fraction: float) -> CheckResult:
+    started = time.monotonic()
+    skip_kind: SkipKind | None = None
+    error_kind: ErrorKind | None = None
+    if run.no_case is not None:  # not forgiven: the caller's selection left nothing to check
+        return CheckResult(clause=run.clause.id, backend=run.backend_label, case=None,
+                           layout=None, status="skipped", message=run.no_case,
+                           test=run.test_id)
+    try:
+        check = run.check.resolve()
+        check(*_arguments(run, device, kv_workers, memory_fraction))
+    except ClauseSkip as skip:
+        status: Status = "skipped"
+        message = f"{skip.clause}: {skip.reason}"
+        skip_kind = skip.kind
+    except ClauseFailure as failure:
+        status, message = "failed", str(failure)
+    except HarnessError as exc:
+        status, message, error_kind = "error", f"{type(exc).__name__}: {exc}", exc.kind
+    except Exception as exc:  # the harness's own fault, not the backend's: an error
+        status, error_kind = "error", ErrorKind.HARNESS
+        message = f"{run.clause.id}: the check raised {type(exc).__name__}: {exc}"
+    else:
+        status, message = "passed", ""
+    return CheckResult(
+        clause=run.clause.id, backend=run.backend_label,
+        case=run.case.id if run.case is not None else None, layout=run.layout,
+        status=status, message=message, skip_kind=skip_kind, error_kind=error_kind,
+        test=run.test_id, duration_s=round(time.monotonic() - started, 4))

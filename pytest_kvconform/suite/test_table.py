@@ -1,0 +1,90 @@
+"""Suite tests generated from the clause table, for the rows no hand-written test covers.
+
+A new clause is a check function plus a row in ``pytest_kvconform.clauses``;
+this module turns the row into ``test_kv_<x><n>[...]``, parametrised over the
+same fixtures (and case predicate) as the hand-written tests.  Rows that a
+hand-written suite module already runs generate nothing here, so their test
+ids stay where they are.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from pytest_kvconform import clauses
+from pytest_kvconform.suite.runner import run_check
+
+# The hand-written suite modules; a test function defined there is not generated.
+HAND_WRITTEN = ("test_layout", "test_strides", "test_nullblock", "test_adoption")
+# The fixture each check argument comes from.
+FIXTURE = {"backend": "kv_backend", "need": "kv_need", "need_backend": "kv_need",
+           "layout": "kv_layout", "case": "kv_case", "device": "kv_device",
+           "workers": "kv_workers", "workers_device": "kv_workers",
+           "workers_factory": "kv_workers", "memory_fraction": "request"}
+
+
+def _hand_written() -> set[str]:
+    import importlib
+
+    names: set[str] = set()
+    for module in HAND_WRITTEN:
+        names |= {n for n in vars(importlib.import_module(f"pytest_kvconform.suite.{module}"))
+                  if n.startswith("test_")}
+    return names
+
+
+def _argument(arg: str, request: pytest.FixtureRequest, fixtures: dict[str, Any]) -> Any:
+    if arg == "need_backend":
+        from pytest_kvconform.checks.layout import seam_backend
+
+        return seam_backend(fixtures["kv_need"])
+    if arg in ("workers", "workers_factory"):
+        kv_workers, case = fixtures["kv_workers"], fixtures["kv_case"]
+
+        def ranks() -> Any:
+            return kv_workers.for_world_size(case.world_size)
+
+        return ranks() if arg == "workers" else ranks
+    if arg == "workers_device":
+        return fixtures["kv_workers"].device
+    if arg == "memory_fraction":
+        from pytest_kvconform.plugin import kv_session
+
+        return kv_session(request.config).options.memory_fraction
+    return fixtures[FIXTURE[arg]]
+
+
+def generated_test(row: clauses.Clause, check: clauses.Check) -> Callable[..., None]:
+    """A suite test for one check of a row: its fixtures, its case marker, its name."""
+    fixtures = ["request", *dict.fromkeys(FIXTURE[a] for a in check.args if a != "memory_fraction")]
+
+    def test(request: pytest.FixtureRequest, **kwargs: Any) -> None:
+        values = {**kwargs, "request": request}
+        run_check(request, check.resolve(),
+                  *(_argument(arg, request, values) for arg in check.args))
+
+    test.__name__ = test.__qualname__ = row.test_name(check)
+    test.__doc__ = f"{row.id} {row.title} (generated from the clause table)."
+    test.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in fixtures])
+    if row.cases is not None:
+        return pytest.mark.kv_cases.with_args(row.cases)(test)
+    return test
+
+
+def generate(namespace: dict[str, Any]) -> list[str]:
+    """Add a test to ``namespace`` for every table check without a hand-written one."""
+    existing = _hand_written()
+    added = []
+    for name, (row, check) in clauses.check_names().items():
+        if name not in existing:
+            namespace[name] = generated_test(row, check)
+            added.append(name)
+    return added
+
+
+GENERATED = generate(globals())

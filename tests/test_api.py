@@ -1,0 +1,187 @@
+"""check_backend: the clauses without pytest, as results; seeded faults show up in them."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import pytest_kvconform
+from pytest_kvconform import api, workers
+from pytest_kvconform.checks import layout
+from pytest_kvconform.model import BackendUnderTest
+from pytest_kvconform.outcomes import ClauseSkip, ErrorKind, HarnessError, SkipKind
+from tests.conftest import needs_omni
+
+ROOT = Path(__file__).resolve().parents[1]
+COLLECTED = ROOT / "tests" / "data" / "collected_ids.txt"
+
+
+class DeclaresAnInt:
+    """A backend whose declaration is truthy but not a bool (KV-L1 must say so)."""
+
+    @classmethod
+    def indexes_kv_by_block_stride(cls) -> int:
+        return 1
+
+
+class DeclaresFalse:
+    @classmethod
+    def indexes_kv_by_block_stride(cls) -> bool:
+        return False
+
+
+def test_the_package_exports_it_lazily() -> None:
+    assert pytest_kvconform.check_backend is api.check_backend
+    assert pytest_kvconform.CheckResult is api.CheckResult
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        pytest_kvconform.nope  # noqa: B018
+
+
+def test_seeded_non_bool_declaration_fails_kv_l1_with_the_details() -> None:
+    [result] = api.check_backend(DeclaresAnInt, clauses=["KV-L1"], device="cpu")
+    assert (result.clause, result.status, result.backend) == ("KV-L1", "failed", "DeclaresAnInt")
+    assert result.test == "test_kv_l1[DeclaresAnInt]"
+    assert "KV-L1 violated [backend=DeclaresAnInt]" in result.message
+    assert "expected: 'bool'" in result.message and "actual:   'int'" in result.message
+    assert not result.ok
+
+
+def test_a_clean_declaration_passes_kv_l1() -> None:
+    [result] = api.check_backend(DeclaresFalse, clauses=["KV-L1"], device="cpu")
+    assert (result.status, result.message, result.skip_kind) == ("passed", "", None)
+    assert result.ok
+
+
+def test_an_unimportable_backend_is_a_backend_skip() -> None:
+    results = api.check_backend("no_such_pkg.backends:Missing", clauses=["KV-L1", "KV-L7"],
+                                device="cpu")
+    assert [(r.clause, r.status, r.skip_kind) for r in results] == [
+        ("KV-L1", "skipped", SkipKind.BACKEND), ("KV-L7", "skipped", SkipKind.BACKEND)]
+    assert "ModuleNotFoundError: No module named 'no_such_pkg'" in results[0].message
+    assert not results[0].ok
+
+
+@pytest.mark.parametrize(("raised", "status", "kind"), [
+    (RuntimeError("boom"), "error", ErrorKind.HARNESS),
+    (HarnessError("worker 3 timed out", kind=ErrorKind.TIMEOUT), "error", ErrorKind.TIMEOUT),
+    (ClauseSkip("KV-L1", "no CUDA here", SkipKind.HARDWARE), "skipped", None),
+])
+def test_every_outcome_of_a_check_is_a_result(monkeypatch: pytest.MonkeyPatch,
+                                              raised: Exception, status: str,
+                                              kind: ErrorKind | None) -> None:
+    def check(backend: BackendUnderTest) -> None:
+        raise raised
+
+    monkeypatch.setattr(layout, "check_kv_l1", check)
+    [result] = api.check_backend(DeclaresFalse, clauses=["KV-L1"], device="cpu")
+    assert (result.status, result.error_kind) == (status, kind)
+    assert str(raised) in result.message
+    if status == "skipped":
+        assert result.skip_kind is SkipKind.HARDWARE
+        assert not result.ok  # KV-L1 needs no device: a hardware skip is not forgiven
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"clauses": ["KV-L9"]}, "unknown clause 'KV-L9'"),
+    ({"clauses": ["L1"]}, "not a clause id: 'L1'"),
+    ({"cases": ["bf16_h8", "nope"]}, "unknown case 'nope'; shipped cases: .*bf16_h8"),
+    ({"device": "tpu"}, "invalid value 'tpu'"),
+])
+def test_bad_input_is_one_clear_error(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        api.check_backend(DeclaresFalse, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_clause_left_without_cases_is_reported_not_dropped() -> None:
+    results = api.check_backend(DeclaresFalse, cases=["bf16_h8"], clauses=["KV-S5", "KV-L1"],
+                                device="cpu")
+    assert [(r.clause, r.status) for r in results] == [("KV-L1", "passed"), ("KV-S5", "skipped")]
+    s5 = results[1]
+    assert s5.message == "KV-S5: none of the selected cases (bf16_h8) is one it runs on"
+    assert s5.skip_kind is None and not s5.ok  # strict qualification would not forgive it
+
+
+def test_not_a_backend_is_refused() -> None:
+    with pytest.raises(ValueError, match="expected a backend class"):
+        api.check_backend(42, clauses=["KV-L1"])
+
+
+def _collected() -> list[str]:
+    return [line.split("::", 1)[1] for line in COLLECTED.read_text().splitlines()
+            if line and not line.startswith("#")]
+
+
+@needs_omni
+def test_the_plan_is_the_suites_collection_for_one_backend() -> None:
+    """Parametrised from the clause table, check_backend runs what the suite collects."""
+    from pytest_kvconform import cases, clauses
+
+    backend = api.backend_under_test("TORCH_SDPA")
+    plan = api._plan(clauses.select(None), backend, cases.load_cases(), seams=True)
+    planned = [run.test_id for run in plan]
+    others = {"CUDNN_ATTN", "FASTVIDEO_VSA", "FLASHINFER_ATTN", "FLASH_ATTN", "FLASH_ATTN_3_HUB",
+              "FLASH_ATTN_HUB", "RAINFUSION_ATTN", "SAGE_ATTN", "SAGE_ATTN_3", "TRTLLM_ATTN"}
+    suite = [i for i in _collected() if i.split("[")[1].split("-")[0].rstrip("]") not in others]
+    assert sorted(planned) == sorted(suite)
+    assert len(planned) == len(set(planned))
+
+
+# --- the real thing, in a plain interpreter ----------------------------------------------------
+
+PLAIN = textwrap.dedent("""
+    import json, sys
+    from vllm_omni.diffusion.attention.backends.registry import DiffusionAttentionBackendEnum
+    from pytest_kvconform import check_backend
+
+    cls = DiffusionAttentionBackendEnum.TORCH_SDPA.get_class()
+    results = check_backend(cls, cases=["bf16_h8", "fp16_h64", "split_k8", "groups2"],
+                            clauses=[c for c in sys.argv[1:]], device="cpu")
+    print(json.dumps({"pytest": "pytest" in sys.modules,
+                      "results": [[r.clause, r.backend, r.case, r.layout, r.status,
+                                   r.message[:200]] for r in results]}))
+""")
+NON_A = ["KV-L1", "KV-L2", "KV-L3", "KV-L4", "KV-L5", "KV-L6", "KV-L7", "KV-L8",
+         "KV-S1", "KV-S2", "KV-S3", "KV-S4", "KV-S5", "KV-N1", "KV-N2", "KV-N3", "KV-N4", "KV-N5"]
+
+
+@needs_omni
+def test_check_backend_in_a_plain_interpreter() -> None:
+    """TORCH_SDPA, without pytest: results for 18 clauses, pytest never imported."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", PLAIN, *NON_A], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["pytest"] is False
+    rows = out["results"]
+    assert {r[0] for r in rows} == set(NON_A)
+    status = {(r[0], r[4]) for r in rows}
+    # KV-L1..L6, S and N hold for TORCH_SDPA; KV-L7 does not apply; KV-L8's legacy
+    # aliases and VLLM_KV_CACHE_LAYOUT are known findings against vllm-omni 0.30.
+    assert {s for c, s in status if c not in ("KV-L7", "KV-L8")} == {"passed"}, rows
+    assert ("KV-L7", "skipped") in status and ("KV-L8", "failed") in status
+    assert all(r[1] == "TORCH_SDPA" for r in rows if r[0].startswith("KV-L"))
+    assert all(r[1] is None for r in rows if not r[0].startswith("KV-L"))
+
+
+@needs_omni
+def test_adoption_clauses_run_in_workers_and_see_a_seeded_fault(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """KV-A3 passes; with the worker writing at a wrong offset it fails; no worker is left."""
+    [clean] = api.check_backend("TORCH_SDPA", cases=["bf16_h8"], clauses=["KV-A3"],
+                                device="cpu")
+    assert (clean.status, clean.test) == ("passed", "test_kv_a3[TORCH_SDPA-bf16_h8]"), clean
+    assert multiprocessing.active_children() == [] and workers._pool is None
+    monkeypatch.setenv(workers.FAULT_ENV, "wrong_offset")
+    [faulty] = api.check_backend("TORCH_SDPA", cases=["bf16_h8"], clauses=["KV-A3"],
+                                 device="cpu")
+    assert faulty.status == "failed", faulty
+    assert "KV-A3 violated" in faulty.message and "TORCH_SDPA" in faulty.message
+    assert multiprocessing.active_children() == [] and workers._pool is None

@@ -1,0 +1,174 @@
+"""The backend-repository path: the built wheel, installed with pip, run from the repo.
+
+A backend repository adds pytest-kvconform as a dev dependency and runs
+``pytest --kv-conformance`` in its own environment, under its own strict pytest
+settings.  This builds the wheel from a copy of the source tree, installs it into a
+venv made for the test (reusing the default environment's packages, minus the
+editable install of this checkout), and runs the suite from a scratch directory
+shaped like a backend repository: its own pyproject.toml, tests, a backend from its
+conftest hook and one from the ``pytest_kvconform.backends`` entry-point group.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import needs_omni
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE_IGNORE = shutil.ignore_patterns(".git", ".tox", "__pycache__", "build", "dist",
+                                       "*.egg-info", ".pytest_cache", ".ruff_cache",
+                                       ".mypy_cache", "report.json", "report.md", "tests")
+OWN = ("pytest_kvconform", "conformance_cases", "__editable__")
+
+
+def _run(argv: list[str], cwd: Path, env: dict[str, str] | None = None,
+         timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def _venv_reusing_this_environment(venv: Path) -> Path:
+    """A venv whose site-packages links to this environment's, except our own package."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                      "['purelib'])"], cwd=venv).stdout.strip())
+    ours = Path(sysconfig.get_paths()["purelib"])
+    for entry in ours.iterdir():
+        if entry.name.startswith(OWN) or (site / entry.name).exists():
+            continue
+        (site / entry.name).symlink_to(entry)
+    return python
+
+
+BACKEND_REPO = {
+    "pyproject.toml": '''
+        [build-system]
+        requires = ["setuptools>=77"]
+        build-backend = "setuptools.build_meta"
+
+        [project]
+        name = "my-backends"
+        version = "0.1"
+
+        [project.entry-points."pytest_kvconform.backends"]
+        MY_EP_ATTN = "my_backends.attention:EntryPointBackend"
+
+        [tool.setuptools]
+        packages = ["my_backends"]
+
+        [tool.pytest.ini_options]
+        addopts = "--strict-markers --import-mode=importlib"
+        filterwarnings = ["error"]
+        testpaths = ["tests"]
+    ''',
+    "my_backends/__init__.py": "",
+    "my_backends/attention.py": '''
+        """Two backends of a backend repository: one per registration route."""
+
+        from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
+
+
+        class HookBackend(SDPABackend):
+            @classmethod
+            def get_name(cls) -> str:
+                return "MY_HOOK_ATTN"
+
+
+        class EntryPointBackend(SDPABackend):
+            @classmethod
+            def get_name(cls) -> str:
+                return "MY_EP_ATTN"
+    ''',
+    "conftest.py": '''
+        def pytest_kvconform_backends(config):
+            return {"MY_HOOK_ATTN": "my_backends.attention:HookBackend"}
+    ''',
+    "tests/test_own.py": '''
+        def test_own_tests_run_beside_the_suite():
+            assert True
+    ''',
+}
+
+
+@pytest.fixture(scope="module")
+def backend_repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(venv python, backend repository) with the wheel and the repo installed."""
+    root = tmp_path_factory.mktemp("backend-repo")
+    source = root / "src"
+    shutil.copytree(REPO, source, ignore=SOURCE_IGNORE)
+    dist = root / "dist"
+    built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                  "-w", str(dist), str(source)], cwd=root)
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "Deprecat" not in built.stdout + built.stderr, built.stdout + built.stderr
+    (wheel,) = dist.glob("pytest_kvconform-*.whl")
+    python = _venv_reusing_this_environment(root / "venv")
+    repo = root / "my-backends"
+    for name, text in BACKEND_REPO.items():
+        path = repo / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    for target in (str(wheel), str(repo)):
+        installed = _run([str(python), "-m", "pip", "install", "--no-deps",
+                          "--no-build-isolation", target], cwd=root)
+        assert installed.returncode == 0, installed.stdout + installed.stderr
+    shutil.rmtree(repo / "build", ignore_errors=True)
+    return python, repo
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+@needs_omni
+def test_packaged_data_comes_from_the_wheel(backend_repo: tuple[Path, Path]) -> None:
+    python, repo = backend_repo
+    probe = _run([str(python), "-c", textwrap.dedent('''
+        import pathlib, pytest_kvconform, conformance_cases
+        from pytest_kvconform import cases
+        pkg = pathlib.Path(pytest_kvconform.__file__).parent
+        print(pkg)
+        print(pathlib.Path(conformance_cases.__file__).parent)
+        assert (pkg / "contract.md").read_text().startswith("# The KV-cache layout")
+        assert (pkg / "known" / "vllm_omni_0_30.toml").is_file()
+        assert (pkg / "py.typed").is_file()
+        print(len(cases.load_cases(())))
+    ''')], cwd=repo, env=_env())
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    package_dir, cases_dir, n_cases = probe.stdout.split()
+    venv = python.parent.parent
+    assert Path(package_dir).is_relative_to(venv), package_dir
+    assert Path(cases_dir).is_relative_to(venv), cases_dir
+    assert not Path(package_dir).is_relative_to(REPO)
+    assert int(n_cases) > 5
+
+
+@needs_omni
+def test_suite_runs_against_the_repos_backends(backend_repo: tuple[Path, Path]) -> None:
+    """Both registration routes, under the repo's strict settings, beside its own tests."""
+    python, repo = backend_repo
+    result = _run([str(python), "-m", "pytest", "--kv-conformance", "-p", "no:cacheprovider",
+                   "--kv-backend", "MY_HOOK_ATTN", "--kv-backend", "MY_EP_ATTN",
+                   "-k", "(kv_l1 or kv_l2 or kv_l6 or own) and not seam", "-v", "-rs", "tests"],
+                  cwd=repo, env=_env())
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    for test_id in ("test_kv_l1[MY_HOOK_ATTN] PASSED", "test_kv_l2[MY_EP_ATTN] PASSED",
+                    "test_kv_l6[MY_HOOK_ATTN] PASSED", "test_kv_l6[MY_EP_ATTN] PASSED"):
+        assert test_id.split()[0] in out, out
+    assert "test_own_tests_run_beside_the_suite" in out or "test_own.py" in out, out
+    assert "7 passed" in out, out
+    # The suite came from the installed wheel, not this checkout.
+    assert str(REPO / "pytest_kvconform") not in out

@@ -1,0 +1,80 @@
+"""README's commands are what CI runs, verbatim, and what a fresh clone gets.
+
+A user copies the README's two command lines into a fresh clone with nothing set;
+``.ci/run`` must run exactly those lines, and nothing may route around the defaults
+(the ``{homedir}``-in-a-default bug hid behind a variable only CI set).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+CI = (REPO / ".ci" / "run").read_text()
+
+
+def readme_command(heading: str) -> str:
+    """The indented command line right after ``**<heading>**`` in README."""
+    m = re.search(rf"^\*\*{re.escape(heading)}\*\*[^\n]*(?:\n[^\n]+)*\n\n    (\S[^\n]*)$",
+                  README, re.M)
+    assert m is not None, f"README has no '**{heading}**' section with an indented command"
+    return m.group(1)
+
+
+def ci_lines() -> list[str]:
+    return [line.strip() for line in CI.splitlines()]
+
+
+def test_ci_runs_the_readme_commands_verbatim() -> None:
+    for heading in ("Main job", "Tests"):
+        command = readme_command(heading)
+        assert command in ci_lines(), f".ci/run does not run README's {heading} command " \
+                                      f"verbatim: {command!r}"
+
+
+def test_ci_sets_no_variable_that_routes_around_the_defaults() -> None:
+    code = [line for line in ci_lines() if line and not line.startswith("#")]
+    assert not [line for line in code if re.search(r"\bexport\b|^KVCONFORM_\w+=", line)], code
+    assert not [line for line in code if re.search(r"KVCONFORM_\w+=", line)], code
+
+
+def test_tox_ini_needs_no_variable_for_its_work_dir() -> None:
+    tox_ini = (REPO / "tox.ini").read_text()
+    # tox does not expand a substitution nested in an {env:VAR:default} default.
+    assert not re.search(r"\{env:[^}]*\{", tox_ini), "nested substitution in an env default"
+    assert "{homedir}" not in tox_ini
+
+
+def test_toxfile_puts_the_environments_outside_the_clone_keyed_on_the_pins(
+        tmp_path: Path) -> None:
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, str(REPO / "toxfile.py")], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    work_dir = Path(out)
+    assert work_dir.parent == tmp_path / ".cache" / "pytest-kvconform", out
+    assert re.fullmatch(r"tox-[0-9a-f]{16}", work_dir.name), out
+    assert "{" not in out
+
+
+def test_readme_links_stay_in_the_repository() -> None:
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
+    local = [link for link in links if not re.match(r"[a-z]+://", link)]
+    assert local, "README links to the contract"
+    for link in local:
+        target = (REPO / link).resolve()
+        assert target.is_relative_to(REPO), f"README link leaves the repository: {link}"
+        assert target.exists(), f"README links to a missing file: {link}"
+    assert "pytest_kvconform/contract.md" in local
+
+
+def test_the_contract_ships_with_its_version_and_every_clause() -> None:
+    from pytest_kvconform import CONTRACT_VERSION
+
+    contract = (REPO / "pytest_kvconform" / "contract.md").read_text()
+    assert f"Contract version: **{CONTRACT_VERSION}**" in contract
+    clauses = re.findall(r"^- (KV-[LSNA][0-9]+) ", contract, re.M)
+    assert len(clauses) == len(set(clauses)) == 24, clauses
