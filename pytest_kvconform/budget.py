@@ -94,4 +94,4 @@ def call(fn: Callable[[], T], what: str, *, default: float = DECLARATION_TIMEOUT
         raise WaitTimeout(f"timed out after {describe(timeout)} waiting for {what} to return")
     if outcome.error is not None:
         raise outcome.error
-    return outcome.value  # type: ignore[no-any-return]
+    return outcome.value
