@@ -191,6 +191,17 @@ def test_blocking_declaration_is_a_timeout_naming_clause_and_backend(
                         r"SLOW\.indexes_kv_by_block_stride\(\)", str(info.value)), info.value
 
 
+def test_check_backend_reports_a_blocking_declaration_as_a_timeout_error(
+        slow_backend: BackendUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain API bounds each check by the default budget, as pytest's --kv-timeout does."""
+    from pytest_kvconform import api
+
+    monkeypatch.setattr(budget, "DEFAULT_TIMEOUT_S", 0.3)
+    [result] = api.check_backend(slow_backend, clauses=["KV-L1"], device="cpu")
+    assert (result.status, result.error_kind) == ("error", ErrorKind.TIMEOUT)
+    assert "KV-L1 [backend=SLOW]: timed out after" in result.message
+
+
 def test_out_of_memory_is_told_apart_and_free_memory_is_known() -> None:
     assert workers.is_out_of_memory(MemoryError())
     assert workers.is_out_of_memory(RuntimeError(
