@@ -101,6 +101,7 @@ def check_backend(
     device: str = "auto",
     seams: bool = False,
     memory_fraction: float = 0.5,
+    plugins: str = "production",
 ) -> list[CheckResult]:
     """Run the applicable clauses against ``backend_cls``; one :class:`CheckResult` per run.
 
@@ -110,18 +111,31 @@ def check_backend(
     ``cases``: the spec cases (Case records, or ids of the shipped cases);
     None means every shipped case.  ``clauses``: clause ids (``"KV-L2"``);
     None means all.  ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+    ``plugins``: ``production`` loads the vLLM / vllm-omni general plugins first, as
+    a production process does, so a registry name resolves to what production runs;
+    ``none`` checks the in-tree classes (``VLLM_PLUGINS=""`` for the call).
 
     Bad input (an unknown clause, case or backend name, a bad device) raises one
     ValueError naming it; a failing check never raises, it is a result.
     """
+    from pytest_kvconform import omni_plugins
+
+    if plugins not in ("production", "none"):
+        raise ValueError(f"check_backend: plugins={plugins!r}; expected 'production' or 'none'")
     selected = clauses_mod.select(clauses)
     torch_device, gpu_ids = _device(device)
-    with _quiet_vllm():
-        case_list = _cases(cases)
-        backend = backend_under_test(backend_cls)
-        plan = list(_plan(selected, backend, case_list, seams=seams))
-        with _worker_pool(plan, torch_device, gpu_ids) as kv_workers:
-            return [_execute(run, torch_device, kv_workers, memory_fraction) for run in plan]
+    saved = omni_plugins.set_plugins_env(plugins)
+    try:
+        with _quiet_vllm():
+            case_list = _cases(cases)
+            omni_plugins.load_plugins(plugins)
+            backend = backend_under_test(backend_cls)
+            plan = list(_plan(selected, backend, case_list, seams=seams))
+            with _worker_pool(plan, torch_device, gpu_ids) as kv_workers:
+                return [_execute(run, torch_device, kv_workers, memory_fraction)
+                        for run in plan]
+    finally:
+        omni_plugins.restore_plugins_env(saved)
 
 
 # --- inputs ----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from pytest_kvconform.report import (
     load_report,
     render_markdown,
     render_merged_markdown,
+    report_paths,
     validate_report,
 )
 
@@ -89,17 +90,48 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     A convenience front-end for release engineers: the same checks and report
     as ``pytest --kv-conformance --kv-report PATH``; extra arguments go to pytest.
+    With ``--report PATH`` the report is kept there (a ``.md`` path keeps the JSON
+    next to it); without, it is printed and none is kept, and the last line says so.
     """
-    import tempfile
-
     import pytest
 
-    with tempfile.TemporaryDirectory(prefix="kvconform-") as tmp:
-        path = args.report or str(Path(tmp) / "report.json")
-        code = int(pytest.main(["--kv-conformance", "-q", "--kv-report", path, *args.extra]))
-        if Path(path).is_file():
-            print(render_markdown(load_report(path)))
+    if args.report:
+        code = int(pytest.main(["--kv-conformance", "-q", "--kv-report", args.report,
+                                *args.extra]))
+        json_path, _ = report_paths(args.report)
+        if json_path.is_file():
+            try:
+                print(render_markdown(load_report(json_path)))
+            except ReportError as exc:
+                _error(exc.message)
+        else:
+            print(f"kvconform: no report was written to {args.report} (see the errors above)")
+        return code
+    grab = _GrabReport()
+    code = int(pytest.main(["--kv-conformance", "-q", *args.extra], plugins=[grab]))
+    if grab.report is not None:
+        print(render_markdown(grab.report))
+    print("kvconform: no report file kept (pass --report PATH to keep one)")
     return code
+
+
+class _GrabReport:
+    """A pytest plugin object: asks the session for its report and keeps it in memory."""
+
+    report: dict[str, Any] | None = None
+
+    def pytest_configure(self, config: Any) -> None:
+        from pytest_kvconform.plugin import SESSION_PLUGIN
+
+        session = config.pluginmanager.get_plugin(SESSION_PLUGIN)
+        if session is not None:
+            session.report_wanted = True
+
+    def pytest_unconfigure(self, config: Any) -> None:
+        from pytest_kvconform.plugin import SESSION_PLUGIN
+
+        session = config.pluginmanager.get_plugin(SESSION_PLUGIN)
+        self.report = getattr(session, "built_report", None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the suite and print the report; other arguments "
                          "go to pytest (e.g. --kv-backend NAME, -n 2)")
-    run.add_argument("--report", help="also keep the JSON report (and .md) at this path")
+    run.add_argument("--report", help="keep the JSON report (and .md) at this path; a path "
+                     "ending in .md keeps the Markdown there and the JSON next to it")
     run.set_defaults(func=_cmd_run)  # takes any arguments: see main()
     return parser
 

@@ -11,17 +11,24 @@ name: every xdist worker must collect the same tests.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, Protocol
 
 from pytest_kvconform import compat
 from pytest_kvconform.model import BackendUnderTest
 
 ENTRY_POINT_GROUP = "pytest_kvconform.backends"
 OMNI_MISSING = "vllm-omni not installed"
+
+
+class Origins(Protocol):
+    """Who re-pointed a registry member (``omni_plugins.PluginLoad``)."""
+
+    def origin_of(self, member: str, overridden: bool) -> str: ...
 
 
 class DiscoveryError(ValueError):
@@ -122,10 +129,13 @@ def platform_backend(known_paths: set[str], head_size: int = 64) -> tuple[
     if not isinstance(path, str) or path in known_paths:
         return None, None
     name = path.rsplit(".", 1)[-1]
+    origin = f"the Omni platform {_path_of(type(current_omni_platform))}"
     try:
-        return BackendUnderTest(name, path, "platform", cls=import_object(path)), None
+        return BackendUnderTest(name, path, "platform", cls=import_object(path),
+                                origin=origin), None
     except Exception as exc:
-        return BackendUnderTest(name, path, "platform", error=describe_error(exc)), None
+        return BackendUnderTest(name, path, "platform", error=describe_error(exc),
+                                origin=origin), None
 
 
 def _from_mapping(mapping: Mapping[str, Any], source: str) -> list[BackendUnderTest]:
@@ -180,11 +190,20 @@ def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
              *, include_registry: bool = True,
              include_entry_points: bool = True,
              registry: Callable[[], tuple[list[BackendUnderTest], str | None]] = registry_backends,
+             origins: Origins | None = None,
              ) -> Discovery:
-    """All backends, sorted by name; a name defined by two sources is an error."""
+    """All backends, sorted by name; a name defined by two sources is an error.
+
+    Load the plugins first (``omni_plugins.load_plugins``), as production does
+    before it resolves a backend, and pass the result as ``origins``: each
+    registry member then says who put its class there.
+    """
     result = Discovery()
     if include_registry:
         found, reason = registry()
+        if origins is not None:
+            found = [dataclasses.replace(b, origin=origins.origin_of(b.name, b.overridden))
+                     for b in found]
         result.backends.extend(found)
         if reason:
             result.notes.append(reason)

@@ -39,6 +39,8 @@ class BackendUnderTest:
     overridden: bool = False
     cls: Any = field(default=None, compare=False, repr=False)
     error: str | None = None
+    # Who put the class there: "in-tree", or the plugin's distribution and entry point.
+    origin: str | None = None
 
     @property
     def importable(self) -> bool:

@@ -35,7 +35,8 @@ def add_options(parser: pytest.Parser) -> None:
     both("--kv-cases", "kv_cases", "extra case file (TOML, repeatable)", action="append",
          default=None, metavar="PATH", ini_type="paths", ini_default=[])
     both("--kv-report", "kv_report",
-         "write the qualification report as JSON to PATH and Markdown next to it",
+         "write the qualification report as JSON to PATH and Markdown next to it (a PATH "
+         "ending in .md: Markdown there, JSON next to it); checked writable at start-up",
          default=None, metavar="PATH", ini_type="string", ini_default="")
     both("--kv-xfails", "kv_xfails",
          "expected-failures file (TOML): matching tests become xfails", default=None,
@@ -54,6 +55,11 @@ def add_options(parser: pytest.Parser) -> None:
          "backend's declaration) after it is an error naming what it waited for "
          f"(default {DEFAULT_TIMEOUT_S:g})", default=None, metavar="SECONDS",
          ini_type="string", ini_default=f"{DEFAULT_TIMEOUT_S:g}")
+    both("--kv-plugins", "kv_plugins",
+         "production: load vLLM / vllm-omni general and platform plugins before discovery, "
+         "as production processes do (default); none: check in-tree classes only "
+         "(sets VLLM_PLUGINS='')", default=None, metavar="production|none",
+         ini_type="string", ini_default="production")
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class Options:
     allow_oversubscribe: bool = False
     memory_fraction: float = 0.5
     timeout: float = DEFAULT_TIMEOUT_S
+    plugins: str = "production"
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -93,6 +100,9 @@ class Options:
         if not 0 < fraction <= 1:
             raise pytest.UsageError(f"--kv-memory-fraction: {fraction} must be in (0, 1]")
         timeout = _timeout(str(get("kv_timeout")))
+        plugins = str(get("kv_plugins") or "production")
+        if plugins not in ("production", "none"):
+            raise pytest.UsageError(f"--kv-plugins: {plugins!r} is not one of production, none")
         return cls(
             enabled=bool(get("kv_conformance")),
             backends=tuple(get("kv_backend") or ()),
@@ -104,12 +114,14 @@ class Options:
             allow_oversubscribe=bool(get("kv_allow_oversubscribe")),
             memory_fraction=fraction,
             timeout=timeout,
+            plugins=plugins,
             raw={
                 "backends": list(get("kv_backend") or []), "device": str(get("kv_device")),
                 "cases": [str(c) for c in cases], "report": report, "xfails": xfails,
                 "strict": bool(get("kv_strict")), "memory_fraction": fraction,
                 "timeout": timeout,
                 "numprocesses": getattr(config.option, "numprocesses", None),
+                "plugins": plugins,
             },
         )
 

@@ -44,6 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     config.addinivalue_line("markers", "kv_cases(predicate): select the spec cases a suite "
                             "test is parametrised with (predicate(case) -> bool)")
+    xfails = _startup_checks(options)  # before anything heavy is imported
     _add_suite(config)
     if hasattr(config, "workerinput"):  # an xdist worker never outlives its controller
         from pytest_kvconform.workers import exit_with_parent
@@ -51,7 +52,24 @@ def pytest_configure(config: pytest.Config) -> None:
         exit_with_parent()
     from pytest_kvconform.session import KvSession
 
-    config.pluginmanager.register(KvSession(config, options), SESSION_PLUGIN)
+    config.pluginmanager.register(KvSession(config, options, xfails=xfails), SESSION_PLUGIN)
+
+
+def _startup_checks(options: Options) -> list[Any]:
+    """Output paths and the xfails file, checked before discovery imports vLLM."""
+    from pytest_kvconform import startup
+
+    if options.report is not None:
+        try:
+            startup.check_report_path(options.report)
+        except startup.StartupError as exc:
+            raise pytest.UsageError(f"--kv-report: {exc}") from None
+    if options.xfails is None:
+        return []
+    try:
+        return startup.load_xfails(options.xfails)
+    except startup.StartupError as exc:
+        raise pytest.UsageError(f"--kv-xfails: {exc}") from None
 
 
 def _add_suite(config: pytest.Config) -> None:

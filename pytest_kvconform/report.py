@@ -9,7 +9,10 @@ status, reason, duration_s`` plus optional ``skip_kind`` (a
 ``describe()`` id of the xfail entry applied).  ``backend`` is None for
 upstream (per layout/case) tests; the matrices show those in a ``(upstream)`` row.
 
-Verdict rule (:func:`compute_verdict`):
+A status ``error`` result may carry ``error_kind`` (``worker-died``, ``timeout``,
+``oom``, ``harness``): the harness failed there, not the backend.
+
+Results alone (:func:`compute_verdict`):
 
 * non-strict: qualified iff at least one result ran and none failed or errored
   (an xpass or a skip does not disqualify);
@@ -17,19 +20,29 @@ Verdict rule (:func:`compute_verdict`):
   skip unless its kind is ``hardware`` or ``not-applicable`` or an xfails entry
   declares it (``xfail`` on the result).
 
+The report's verdict (:func:`judge`) also needs the whole matrix to have run: the
+``selection`` record (``-k``, ``-m``, narrowed paths, backends left out by
+``--kv-backend``, suite tests collected / selected / deselected) and the ``run``
+record (``interruption``).  A run that was interrupted, or in which a selected
+test has no result, is ``interrupted``; a run that left any part of the matrix
+out is ``partial``; a failure or error makes it ``not qualified`` (interrupted
+still wins: nothing about an unfinished run is certified).
+
 Clauses with a hardware skip are listed as ``uncovered`` in both modes.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import os
 import platform
 import re
 import shutil
 import socket
 import subprocess
-import tempfile
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path, PurePath
@@ -42,7 +55,8 @@ from pytest_kvconform.model import CLAUSE_RE, installed_version
 SCHEMA = "pytest-kvconform/report/1"
 STATUSES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
 SKIP_KINDS = ("hardware", "environment", "backend", "not-applicable")
-VERDICTS = ("qualified", "not qualified")
+ERROR_KINDS = ("worker-died", "timeout", "oom", "harness")  # outcomes.ErrorKind values
+VERDICTS = ("qualified", "not qualified", "partial", "interrupted")
 UPSTREAM_ROW = "(upstream)"
 
 # Worst first: the status a matrix cell shows when it aggregates several tests.
@@ -67,17 +81,27 @@ _CLAUSE_FAMILY_ORDER = FAMILY_ORDER  # the contract's section order
 _NVIDIA_SMI_TIMEOUT_S = 5.0
 
 _TOP_KEYS = (
-    "schema", "contract", "environment", "backends", "results", "summary", "verdict", "uncovered",
+    "schema", "contract", "run", "environment", "selection", "backends", "results", "summary",
+    "verdict", "uncovered",
+)
+_RUN_KEYS = ("id", "started", "duration_s", "interruption")
+_SELECTION_KEYS = (
+    "keyword", "markexpr", "paths", "backends", "excluded_backends", "collected", "selected",
+    "deselected",
 )
 _ENV_KEYS = (
     "python", "torch", "vllm", "vllm_omni", "platform", "devices", "host", "options", "seed",
 )
 _DEVICE_KEYS = ("name", "memory_bytes", "driver", "cuda")
 _BACKEND_KEYS = ("name", "path", "source", "overridden", "importable", "reason")
+# origin: "in-tree", or the distribution / entry point whose plugin re-pointed the member.
+_BACKEND_OPTIONAL_KEYS = ("origin",)
+# plugins: what loading vLLM / vllm-omni plugins did (omni_plugins.PluginLoad.as_dict()).
+_ENV_OPTIONAL_KEYS = ("plugins",)
 _RESULT_KEYS = (
     "nodeid", "backend", "clause", "case", "layout", "device", "status", "reason", "duration_s",
 )
-_RESULT_OPTIONAL_KEYS = ("skip_kind", "xfail")
+_RESULT_OPTIONAL_KEYS = ("skip_kind", "xfail", "error_kind")
 _SUMMARY_KEYS = ("strict", "total", "by_status", "by_clause", "blocking")
 
 
@@ -229,6 +253,118 @@ def summarize(results: Sequence[Mapping[str, Any]], strict: bool) -> dict[str, A
     }
 
 
+def run_record(
+    *, run_id: str | None = None, started: str | None = None, duration_s: float = 0.0,
+    interruption: str | None = None,
+) -> dict[str, Any]:
+    """Identity and end of one run: ``merge`` tells two runs on one host apart by ``id``."""
+    return {
+        "id": run_id or uuid.uuid4().hex,
+        "started": started or now_iso(),
+        "duration_s": round(float(duration_s), 3),
+        "interruption": interruption,
+    }
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def selection_record(
+    *, keyword: str | None = None, markexpr: str | None = None, paths: Iterable[str] = (),
+    backends: Iterable[str] = (), excluded_backends: Iterable[str] = (),
+    collected: int | None = None, selected: int | None = None,
+) -> dict[str, Any]:
+    """What part of the matrix a run selected; ``collected`` counts suite tests before
+    ``-k`` / ``-m`` / ``--deselect``, ``selected`` after (None: not known)."""
+    deselected = None if collected is None or selected is None else collected - selected
+    return {
+        "keyword": keyword or None,
+        "markexpr": markexpr or None,
+        "paths": [str(p) for p in paths],
+        "backends": list(backends),
+        "excluded_backends": sorted(excluded_backends),
+        "collected": collected,
+        "selected": selected,
+        "deselected": deselected,
+    }
+
+
+def ran_count(results: Iterable[Mapping[str, Any]]) -> int:
+    """Suite tests with at least one result (a test may have a call and a teardown row)."""
+    return len({r["nodeid"] for r in results})
+
+
+def left_out(selection: Mapping[str, Any] | None) -> list[str]:
+    """What the selection left out of the full matrix, one phrase each; empty when complete."""
+    if selection is None:
+        return ["the selection was not recorded"]
+    notes = []
+    collected, deselected = selection["collected"], selection["deselected"]
+    filters = [f"-k {selection['keyword']!r}" if selection["keyword"] else "",
+               f"-m {selection['markexpr']!r}" if selection["markexpr"] else ""]
+    how = " and ".join(f for f in filters if f) or "deselection (--deselect, --lf or a plugin)"
+    if collected is None or selection["selected"] is None:
+        notes.append("the number of suite tests collected was not reported")
+    elif deselected:
+        notes.append(f"{how} deselected {deselected} of {collected} suite tests")
+    elif selection["keyword"] or selection["markexpr"]:
+        notes.append(f"{how} given (deselected none, but the selection is filtered)")
+    if selection["paths"]:
+        notes.append("collection narrowed to " + ", ".join(selection["paths"]))
+    excluded = selection["excluded_backends"]
+    if excluded:
+        notes.append(f"--kv-backend left out {len(excluded)} backend(s): {', '.join(excluded)}")
+    return notes
+
+
+def interruption_of(run: Mapping[str, Any], selection: Mapping[str, Any] | None,
+                    results: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why the run did not finish: recorded, or selected tests without a result."""
+    if run.get("interruption"):
+        return str(run["interruption"])
+    selected = selection.get("selected") if selection is not None else None
+    if selected is not None:
+        ran = ran_count(results)
+        if ran < selected:
+            return f"{selected - ran} of {selected} selected suite tests did not run"
+    return None
+
+
+def judge(
+    results: Sequence[Mapping[str, Any]], strict: bool, selection: Mapping[str, Any] | None,
+    run: Mapping[str, Any],
+) -> tuple[str, list[str]]:
+    """The report's verdict and uncovered clauses: results, completeness, interruption.
+
+    ``interrupted`` > ``not qualified`` > ``partial`` > ``qualified``.
+    """
+    verdict, uncovered = compute_verdict(results, strict)
+    if interruption_of(run, selection, results):
+        verdict = "interrupted"
+    elif verdict == "qualified" and left_out(selection):
+        verdict = "partial"
+    return verdict, uncovered
+
+
+def verdict_text(verdict: str, uncovered: Sequence[str], selection: Mapping[str, Any] | None,
+                 run: Mapping[str, Any], results: Sequence[Mapping[str, Any]]) -> str:
+    """One line: the verdict and what it rests on (what was left out, why it stopped)."""
+    notes = []
+    if verdict == "interrupted":
+        notes.append(f"interrupted: {interruption_of(run, selection, results)}")
+    missing = left_out(selection)
+    if missing and verdict != "qualified":
+        notes.append("left out: " + "; ".join(missing))
+    if uncovered:
+        notes.append(f"hardware could not cover: {', '.join(uncovered)}")
+    errors = sorted({r.get("error_kind") or "harness" for r in results
+                     if r.get("status") == "error"})
+    if errors:
+        notes.append(f"harness errors ({', '.join(errors)}), not blamed on any backend")
+    return verdict + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def build_report(
     *,
     environment: Mapping[str, Any],
@@ -236,21 +372,29 @@ def build_report(
     results: Iterable[Mapping[str, Any]],
     options: Mapping[str, Any],
     strict: bool,
+    selection: Mapping[str, Any] | None = None,
+    run: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A validated report; results sorted by nodeid so ``-n 2`` and ``-n 0`` agree.
 
     ``backends`` are :class:`~pytest_kvconform.model.BackendUnderTest` records or
     dicts with the schema's keys.  ``options`` replaces ``environment["options"]``
-    (the plugin knows its final options only after configuration).
+    (the plugin knows its final options only after configuration).  Without a
+    ``selection`` (see :func:`selection_record`) the verdict is at best ``partial``;
+    without a ``run`` (see :func:`run_record`) a fresh run id is made.
     """
     env = _jsonable(dict(environment))
     env["options"] = _jsonable(dict(sorted(options.items())))
     rows = sorted((_normalise_result(r) for r in results), key=_result_sort_key)
-    verdict, uncovered = compute_verdict(rows, strict)
+    run_rec = _jsonable(dict(run)) if run is not None else run_record()
+    sel = _jsonable(dict(selection)) if selection is not None else None
+    verdict, uncovered = judge(rows, strict, sel, run_rec)
     report = {
         "schema": SCHEMA,
         "contract": CONTRACT_VERSION,
+        "run": run_rec,
         "environment": env,
+        "selection": sel,
         "backends": [_backend_record(b) for b in backends],
         "results": rows,
         "summary": summarize(rows, strict),
@@ -274,7 +418,7 @@ def _normalise_result(result: Mapping[str, Any]) -> dict[str, Any]:
 def _backend_record(backend: Any) -> dict[str, Any]:
     if isinstance(backend, Mapping):
         return _jsonable(dict(backend))
-    return {
+    record = {
         "name": backend.name,
         "path": backend.path,
         "source": backend.source,
@@ -282,6 +426,9 @@ def _backend_record(backend: Any) -> dict[str, Any]:
         "importable": bool(backend.importable),
         "reason": backend.error,
     }
+    if getattr(backend, "origin", None) is not None:
+        record["origin"] = backend.origin
+    return record
 
 
 def _jsonable(value: Any) -> Any:
@@ -307,18 +454,24 @@ def validate_report(obj: Any) -> None:
     """Raise :class:`ReportError` naming the JSON path of the first schema problem.
 
     Besides shapes and types, the summary, verdict and uncovered list must
-    agree with the results: a hand-edited verdict is caught here.
+    agree with the results, the selection and the run: a hand-edited verdict,
+    or a "qualified" for a partial or interrupted run, is caught here.  Every
+    number must be finite (JSON has no NaN; Python's json module writes one).
     """
     key: Any  # a backend's key (str), then a result's sort key (tuple)
     _expect_keys(obj, "$", _TOP_KEYS)
     if obj["schema"] != SCHEMA:
         raise ReportError("$.schema", f"expected {SCHEMA!r}, got {obj['schema']!r}")
+    _expect_finite(obj, "$")
     _expect_type(obj["contract"], "$.contract", str)
+    _validate_run(obj["run"])
     _validate_environment(obj["environment"])
+    _validate_selection(obj["selection"])
     _expect_type(obj["backends"], "$.backends", list)
     for i, backend in enumerate(obj["backends"]):
         where = f"$.backends[{i}]"
-        _expect_keys(backend, where, _BACKEND_KEYS)
+        _expect_keys(backend, where, _BACKEND_KEYS, _BACKEND_OPTIONAL_KEYS)
+        _expect_type(backend.get("origin"), f"{where}.origin", str, none=True)
         for key in ("name", "path", "source"):
             _expect_type(backend[key], f"{where}.{key}", str)
         for key in ("overridden", "importable"):
@@ -328,28 +481,81 @@ def validate_report(obj: Any) -> None:
     previous: tuple[str, ...] | None = None
     for i, result in enumerate(obj["results"]):
         _validate_result(result, f"$.results[{i}]")
-        key = _result_sort_key(result)
-        if previous is not None and key < previous:
+        sort_key = _result_sort_key(result)
+        if previous is not None and sort_key < previous:
             raise ReportError(f"$.results[{i}]", "results are not sorted by nodeid")
-        previous = key
+        previous = sort_key
+    selected = (obj["selection"] or {}).get("selected")
+    if selected is not None and ran_count(obj["results"]) > selected:
+        raise ReportError("$.selection.selected", f"{selected} tests selected but "
+                          f"{ran_count(obj['results'])} have results")
     _validate_summary(obj["summary"])
     strict = obj["summary"]["strict"]
     if obj["summary"] != summarize(obj["results"], strict):
         raise ReportError("$.summary", "does not match the results")
     if obj["verdict"] not in VERDICTS:
         raise ReportError("$.verdict", f"expected one of {VERDICTS}, got {obj['verdict']!r}")
-    verdict, uncovered = compute_verdict(obj["results"], strict)
+    verdict, uncovered = judge(obj["results"], strict, obj["selection"], obj["run"])
     if obj["verdict"] != verdict:
         mode = "strict" if strict else "non-strict"
+        why = verdict_text(verdict, [], obj["selection"], obj["run"], obj["results"])
         raise ReportError("$.verdict", f"{obj['verdict']!r} but the results give {verdict!r} "
-                                       f"({mode})")
+                                       f"({mode})" + (f": {why}" if why != verdict else ""))
     _expect_type(obj["uncovered"], "$.uncovered", list)
     if obj["uncovered"] != uncovered:
         raise ReportError("$.uncovered", f"expected {uncovered}, got {obj['uncovered']!r}")
 
 
+def _expect_finite(value: Any, where: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ReportError(where, f"expected a finite number, got {value!r}")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _expect_finite(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _expect_finite(item, f"{where}[{i}]")
+
+
+def _validate_run(run: Any) -> None:
+    _expect_keys(run, "$.run", _RUN_KEYS)
+    for key in ("id", "started"):
+        _expect_type(run[key], f"$.run.{key}", str)
+        if not run[key]:
+            raise ReportError(f"$.run.{key}", "must not be empty")
+    _expect_number(run["duration_s"], "$.run.duration_s")
+    _expect_type(run["interruption"], "$.run.interruption", str, none=True)
+
+
+def _validate_selection(selection: Any) -> None:
+    if selection is None:  # not recorded: the verdict is at best partial
+        return
+    where = "$.selection"
+    _expect_keys(selection, where, _SELECTION_KEYS)
+    for key in ("keyword", "markexpr"):
+        _expect_type(selection[key], f"{where}.{key}", str, none=True)
+    for key in ("paths", "backends", "excluded_backends"):
+        _expect_type(selection[key], f"{where}.{key}", list)
+        for i, item in enumerate(selection[key]):
+            _expect_type(item, f"{where}.{key}[{i}]", str)
+    counts = {}
+    for key in ("collected", "selected", "deselected"):
+        _expect_type(selection[key], f"{where}.{key}", int, none=True)
+        if selection[key] is not None and selection[key] < 0:
+            raise ReportError(f"{where}.{key}", f"expected a count >= 0, got {selection[key]}")
+        counts[key] = selection[key]
+    if None not in counts.values() and counts["collected"] != (counts["selected"] +
+                                                               counts["deselected"]):
+        raise ReportError(f"{where}.deselected", f"collected {counts['collected']} != selected "
+                          f"{counts['selected']} + deselected {counts['deselected']}")
+    if counts["collected"] is not None and counts["deselected"] is None:
+        raise ReportError(f"{where}.deselected", "missing while collected is given")
+
+
 def _validate_environment(env: Any) -> None:
-    _expect_keys(env, "$.environment", _ENV_KEYS)
+    _expect_keys(env, "$.environment", _ENV_KEYS, _ENV_OPTIONAL_KEYS)
+    if "plugins" in env:
+        _expect_type(env["plugins"], "$.environment.plugins", dict)
     _expect_type(env["python"], "$.environment.python", str)
     for key in ("torch", "vllm", "vllm_omni"):
         _expect_type(env[key], f"$.environment.{key}", str, none=True)
@@ -379,14 +585,27 @@ def _validate_result(result: Any, where: str) -> None:
         raise ReportError(
             f"{where}.status", f"expected one of {', '.join(STATUSES)}, got {result['status']!r}"
         )
-    duration = result["duration_s"]
-    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or duration < 0:
-        raise ReportError(f"{where}.duration_s", f"expected a number >= 0, got {duration!r}")
+    _expect_number(result["duration_s"], f"{where}.duration_s")
     kind = result.get("skip_kind")
     if kind is not None and kind not in SKIP_KINDS:
         raise ReportError(
             f"{where}.skip_kind", f"expected one of {', '.join(SKIP_KINDS)}, got {kind!r}"
         )
+    error_kind = result.get("error_kind")
+    if error_kind is not None:
+        if error_kind not in ERROR_KINDS:
+            raise ReportError(f"{where}.error_kind",
+                              f"expected one of {', '.join(ERROR_KINDS)}, got {error_kind!r}")
+        if result["status"] not in ("error", "xfailed"):
+            raise ReportError(f"{where}.error_kind", f"set on a {result['status']!r} result; "
+                              "only an error (or an xfail that declares errors) has a kind")
+
+
+def _expect_number(value: Any, where: str) -> None:
+    """A finite number >= 0 (durations)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+            or not math.isfinite(value)):
+        raise ReportError(where, f"expected a number >= 0, got {value!r}")
 
 
 def _validate_summary(summary: Any) -> None:
@@ -434,28 +653,42 @@ def markdown_path(path: str | Path) -> Path:
     return path.with_suffix(".md")
 
 
+def report_paths(path: str | Path) -> tuple[Path, Path]:
+    """``(json, markdown)`` for a ``--kv-report`` path.
+
+    ``r.json`` (or any other name) -> ``r.json`` and ``r.md``; a path ending in ``.md``
+    is understood as the Markdown's: ``r.md`` -> ``r.json`` and ``r.md``.
+    """
+    path = Path(path)
+    if path.suffix == ".md":
+        return path.with_suffix(".json"), path
+    return path, markdown_path(path)
+
+
 def write_report(path: str | Path, report: Mapping[str, Any]) -> tuple[Path, Path]:
     """Validate, then write JSON and Markdown, each via a temp file and ``os.replace``.
 
     A reader never sees a half-written report, even when a run is interrupted.
+    Files get the usual mode (0666 less the umask), not ``mkstemp``'s 0600.
     """
     validate_report(report)
-    json_path = Path(path)
-    md_path = markdown_path(json_path)
+    json_path, md_path = report_paths(path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(json_path, json.dumps(report, indent=2) + "\n")
+    _atomic_write(json_path, json.dumps(report, indent=2, allow_nan=False) + "\n")
     _atomic_write(md_path, render_markdown(report))
     return json_path, md_path
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    # O_EXCL: never follow or reuse someone else's file; 0o666: the umask decides.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -547,13 +780,14 @@ class _Footnotes:
     def __init__(self) -> None:
         self._numbers: dict[tuple[str, str], int] = {}
 
-    def ref(self, status: str, reason: str) -> str:
-        key = (status, " ".join(reason.split()))
+    def ref(self, status: str, reason: str, error_kind: str | None = None) -> str:
+        word = _CELL_WORD[status] + (f" ({error_kind})" if error_kind else "")
+        key = (word, " ".join(reason.split()))
         number = self._numbers.setdefault(key, len(self._numbers) + 1)
         return f"[^{number}]"
 
     def lines(self) -> list[str]:
-        return [f"[^{n}]: {_CELL_WORD[s]}: {reason}" for (s, reason), n in self._numbers.items()]
+        return [f"[^{n}]: {word}: {reason}" for (word, reason), n in self._numbers.items()]
 
 
 def _cell(results: Sequence[Mapping[str, Any]], notes: _Footnotes) -> str:
@@ -562,9 +796,9 @@ def _cell(results: Sequence[Mapping[str, Any]], notes: _Footnotes) -> str:
     worst = worst_status(r["status"] for r in results)
     count = sum(1 for r in results if r["status"] == worst)
     refs = dict.fromkeys(
-        notes.ref(r["status"], r["reason"])
+        notes.ref(r["status"], r["reason"], r.get("error_kind"))
         for r in results
-        if r["status"] != "passed" and r.get("reason")
+        if r["status"] != "passed" and (r.get("reason") or r.get("error_kind"))
     )
     return f"{_CELL_WORD[worst]} {count}/{len(results)}" + "".join(refs)
 
@@ -613,6 +847,26 @@ def _verdict_line(report: Mapping[str, Any]) -> str:
     return f"**Verdict: {report['verdict']}** ({mode})"
 
 
+def _completeness_lines(report: Mapping[str, Any]) -> list[str]:
+    """Why a verdict is partial or interrupted, and the harness errors, as Markdown lines."""
+    lines = []
+    interruption = interruption_of(report["run"], report["selection"], report["results"])
+    if interruption:
+        lines += ["", f"Interrupted: {interruption}."]
+    missing = left_out(report["selection"])
+    if missing:
+        lines += ["", "Left out of the matrix: " + "; ".join(missing) + "."]
+    kinds: dict[str, int] = {}
+    for r in report["results"]:
+        if r["status"] == "error":
+            kind = r.get("error_kind") or "harness"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    if kinds:
+        counts = ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
+        lines += ["", f"Harness errors (E; the harness failed, not the backend): {counts}."]
+    return lines
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     """Matrix (with footnoted reasons), environment, backends and verdict of one report."""
     env = report["environment"]
@@ -628,7 +882,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "",
         _verdict_line(report),
         "",
-        f"Contract {report['contract']}, schema `{report['schema']}`, host `{env['host']}`.",
+        f"Contract {report['contract']}, schema `{report['schema']}`, host `{env['host']}`, "
+        f"run `{report['run']['id']}` started {report['run']['started']}.",
         "",
         "## Matrix",
         "",
@@ -640,6 +895,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     lines += ["", "## Verdict", "", _verdict_line(report), ""]
     counts = report["summary"]["by_status"]
     lines.append(", ".join(f"{counts[s]} {s}" for s in STATUSES) + f" of {len(results)}.")
+    lines += _completeness_lines(report)
     if report["uncovered"]:
         lines += ["", "Not covered by this host's hardware: " + ", ".join(report["uncovered"])]
     if report["summary"]["blocking"]:
@@ -663,10 +919,34 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 for b in report["backends"]
             ],
         )
+    lines += _plugin_lines(env.get("plugins"), report["backends"])
     footnotes = notes.lines()
     if footnotes:
         lines += ["", *footnotes]
     return "\n".join(lines) + "\n"
+
+
+def _plugin_lines(plugins: Mapping[str, Any] | None,
+                  backends: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The Markdown's plugin section: mode, platform, each plugin's outcome, who put
+    each backend's class there."""
+    if not plugins:
+        return []
+    env = plugins.get("vllm_plugins")
+    lines = ["", "## Plugins", "",
+             f"Mode `{plugins.get('mode')}` (`VLLM_PLUGINS` "
+             f"{'unset' if env is None else repr(env)}); Omni platform "
+             f"`{plugins.get('platform')}` ({plugins.get('platform_source') or '-'}).", ""]
+    lines += _table(["group", "plugin", "distribution", "status", "re-pointed", "error"],
+                    [[p["group"], p["name"], p["dist"], p["status"],
+                      ", ".join(p["changed"]) or "-", p["error"]]
+                     for p in plugins.get("plugins", [])])
+    lines += [f"- note: {_md(note)}" for note in plugins.get("notes", [])]
+    origins = [[b["name"], b["path"], b["overridden"], b["origin"]] for b in backends
+               if b.get("origin")]
+    if origins:
+        lines += ["", *_table(["backend", "path", "overridden", "origin"], origins)]
+    return lines
 
 
 # --------------------------------------------------------------------------- merge
@@ -681,6 +961,16 @@ def check_mergeable(named: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
     if not named:
         raise ReportError("$", "no reports to merge")
     first_name, first = named[0]
+    seen: dict[Any, str] = {}
+    for name, report in named:
+        identity = _run_identity(report)
+        if identity in seen:
+            raise ReportError(
+                "$.run.id",
+                f"{seen[identity]} and {name} are the same run (run {identity[0]!r} on host "
+                f"{identity[1]!r}, started {identity[2]!r}); merge each host's report once",
+            )
+        seen[identity] = name
     for key in ("schema", "contract"):
         for name, report in named[1:]:
             if report.get(key) != first.get(key):
@@ -689,6 +979,23 @@ def check_mergeable(named: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
                     f"{first_name} has {key} {first.get(key)!r} but {name} has "
                     f"{report.get(key)!r}; reports of different {key} versions cannot be merged",
                 )
+
+
+def _run_identity(report: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """A run is its id; host and start time are named in the message."""
+    run: Mapping[str, Any] = report["run"] if isinstance(report.get("run"), Mapping) else {}
+    env: Mapping[str, Any] = (report["environment"] if isinstance(report.get("environment"),
+                                                                  Mapping) else {})
+    run_id = run.get("id") or json.dumps(report, sort_keys=True, default=str)
+    return (run_id, env.get("host"), run.get("started"))
+
+
+def merged_verdict(reports: Sequence[Mapping[str, Any]]) -> str:
+    """Every host must qualify; otherwise the worst host's verdict."""
+    for verdict in ("not qualified", "interrupted", "partial"):
+        if any(rep["verdict"] == verdict for rep in reports):
+            return verdict
+    return "qualified"
 
 
 def host_labels(named: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
@@ -726,8 +1033,7 @@ def render_merged_markdown(named: Sequence[tuple[str, Mapping[str, Any]]]) -> st
         for label, rep in zip(labels, reports, strict=True):
             results = [r for r in rep["results"] if _row_name(r) == row]
             labelled.append(((row, label), results))
-    qualified = all(rep["verdict"] == "qualified" for rep in reports)
-    overall = "qualified" if qualified else "not qualified"
+    overall = merged_verdict(reports)
     lines = [
         "# pytest-kvconform merged qualification matrix",
         "",

@@ -10,7 +10,9 @@ carrying the tail of its stderr.
 Protocol: one dict per message over a ``multiprocessing.Pipe``; the child answers
 ``{"ok": True, "result": ...}`` or ``{"ok": False, "error": ..., "traceback": ...}``.
 Commands: ``ping``, ``adopt_and_init``, ``write_pattern``, ``read_back``,
-``free_memory``, ``release``, ``shutdown`` (and ``crash``, for the harness's tests).
+``free_memory``, ``release``, ``resolve_backend``, ``shutdown`` (and ``crash``, for the
+harness's tests).  A suite worker loads the vLLM / vllm-omni plugins at start-up, as
+vllm-omni's diffusion workers do (``LOAD_PLUGINS``).
 
 Placement: a worker runs on ``"cpu"`` or on ``"gpu:<id>"``, a
 ``CUDA_VISIBLE_DEVICES`` entry the child sets in its own environment before
@@ -67,6 +69,9 @@ FAULTS = ("skip_adoption", "wrong_offset", "hang", "die", "oom")
 PIDDIR_ENV = "KVCONFORM_WORKER_PIDDIR"
 # The seeded ``oom`` fault asks for this many times the real allocation (past any host).
 OOM_FAULT_FACTOR = 1 << 40
+# A preload step, not a module: load the vLLM / vllm-omni plugins as vllm-omni's diffusion
+# workers do (omni_plugins.load_plugins), so the worker resolves backends as production would.
+LOAD_PLUGINS = "kvconform:load-plugins"
 # What a suite worker imports before it reports ready: the cost is paid once, at start-up.
 PRELOAD: tuple[str, ...] = (
     "pytest_kvconform.compat",
@@ -74,6 +79,7 @@ PRELOAD: tuple[str, ...] = (
     "vllm_omni.diffusion.diffusion_kv.layout",
     "vllm.distributed.device_communicators.shm_broadcast",
     "vllm.v1.worker.gpu.attn_utils",
+    LOAD_PLUGINS,
 )
 STARTUP_TIMEOUT_S = 300.0
 COMMAND_TIMEOUT_S = 120.0
@@ -339,6 +345,10 @@ class WorkerHandle:
     def free_memory(self) -> int | None:
         return self.request("free_memory")
 
+    def resolve_backend(self, name: str, source: str) -> dict[str, Any]:
+        """``{"path", "error", "plugins"}``: the class this worker resolves ``name`` to."""
+        return dict(self.request("resolve_backend", name=name, source=source))
+
     def release(self) -> None:
         """Drop the worker's allocation (and, on CUDA, return it to the driver)."""
         self.request("release")
@@ -560,8 +570,12 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
     os.dup2(fd, 2)
     faulthandler.enable(sys.stderr)
     started = time.monotonic()
+    plugins = None
     try:
         for name in preload:
+            if name == LOAD_PLUGINS:
+                plugins = _load_plugins()
+                continue
             with contextlib.suppress(ImportError):
                 importlib.import_module(name)
     except BaseException as exc:
@@ -569,7 +583,8 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
         conn.send({"ok": False, "error": repr(exc), "traceback": traceback.format_exc()})
         return
     conn.send({"ok": True, "result": {**process_identity(), "device": device,
-                                      "import_s": round(time.monotonic() - started, 2)}})
+                                      "import_s": round(time.monotonic() - started, 2),
+                                      "plugins": plugins}})
     state = _WorkerState(device)
     while True:
         try:
@@ -589,6 +604,16 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc()}
         conn.send(reply)
+
+
+def _load_plugins() -> dict[str, Any]:
+    """The worker's own plugin load (as vllm-omni's workers call load_omni_general_plugins).
+
+    ``VLLM_PLUGINS`` is inherited from the parent, so ``--kv-plugins=none`` holds here too.
+    """
+    from pytest_kvconform import omni_plugins
+
+    return omni_plugins.worker_summary(omni_plugins.load_plugins())
 
 
 def _error(exc: BaseException) -> dict[str, str]:
@@ -673,6 +698,12 @@ class _WorkerState:
 
     def cmd_release(self, message: dict[str, Any]) -> None:
         self.release()
+
+    def cmd_resolve_backend(self, message: dict[str, Any]) -> dict[str, Any]:
+        from pytest_kvconform import omni_plugins
+
+        resolved = omni_plugins.resolve_backend(message["name"], message["source"])
+        return {**resolved, "plugins": omni_plugins.worker_summary(omni_plugins.load_plugins())}
 
     def cmd_free_memory(self, message: dict[str, Any]) -> int | None:
         from pytest_kvconform import compat

@@ -16,6 +16,11 @@ File format (TOML)::
     vllm_omni = ">=0.30,<0.31"  # optional PEP 440 specifier; absent package -> not applied
     vllm = ">=0.30"             # optional, same rule
     device = "cuda"             # optional: "cpu" or "cuda"
+    errors = true               # optional: also absorb harness errors (any kind), or
+                                # errors = ["oom", "timeout"] (worker-died, timeout, oom, harness)
+
+Without ``errors`` an entry never absorbs a harness error (a worker that died or
+timed out, an OOM, the plugin's own exception): those stay status ``error``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from pytest_kvconform.model import CLAUSE_RE
+from pytest_kvconform.outcomes import ErrorKind
 
 ANY_BACKEND = "*"
 ANY_CLAUSE = "*"  # every clause of the backend, e.g. one whose kernel package is absent
@@ -37,6 +43,8 @@ DEVICE_KINDS = ("cpu", "cuda")
 _REQUIRED = ("backend", "clause", "reason")
 _OPTIONAL = ("case", "layout", "test", "vllm", "vllm_omni", "device")
 _VERSION_KEYS = ("vllm", "vllm_omni")
+ERRORS_KEY = "errors"
+ERROR_KINDS = tuple(kind.value for kind in ErrorKind)
 
 
 class XfailFileError(ValueError):
@@ -71,6 +79,11 @@ class XfailEntry:
     vllm: SpecifierSet | None = None
     vllm_omni: SpecifierSet | None = None
     device: str | None = None
+    errors: frozenset[str] = frozenset()  # harness-error kinds this entry absorbs
+
+    def absorbs_error(self, kind: str) -> bool:
+        """Whether a harness error of ``kind`` may become this entry's xfail (opt-in only)."""
+        return kind in self.errors
 
     def describe(self) -> str:
         """Stable id, e.g. ``xfails.toml:2 FLASH_ATTN/KV-L6/two_layers``.
@@ -165,8 +178,8 @@ def _parse_entry(file: str, index: int, table: Any) -> XfailEntry:
     if not isinstance(table, dict):
         raise fail("must be a table")
     for key in table:
-        if key not in _REQUIRED and key not in _OPTIONAL:
-            allowed = ", ".join(_REQUIRED + _OPTIONAL)
+        if key not in _REQUIRED and key not in _OPTIONAL and key != ERRORS_KEY:
+            allowed = ", ".join(_REQUIRED + _OPTIONAL + (ERRORS_KEY,))
             raise fail(f"unknown key (allowed: {allowed})", key)
     for key in _REQUIRED:
         if key not in table:
@@ -189,7 +202,23 @@ def _parse_entry(file: str, index: int, table: Any) -> XfailEntry:
                 raise fail(f"bad PEP 440 specifier {fields[key]!r}", key) from exc
     if "device" in fields and fields["device"] not in DEVICE_KINDS:
         raise fail(f"must be one of {', '.join(DEVICE_KINDS)}, got {fields['device']!r}", "device")
+    if ERRORS_KEY in table:
+        fields[ERRORS_KEY] = _parse_errors(table[ERRORS_KEY], fail)
     return XfailEntry(file=file, index=index, **fields)
+
+
+def _parse_errors(value: Any, fail: Any) -> frozenset[str]:
+    """``true`` (every kind), ``false``, a kind, or a list of kinds."""
+    if isinstance(value, bool):
+        return frozenset(ERROR_KINDS) if value else frozenset()
+    kinds = [value] if isinstance(value, str) else value
+    if not isinstance(kinds, list) or not kinds:
+        raise fail(f"must be true, false, a kind or a list of kinds, got {value!r}", ERRORS_KEY)
+    for kind in kinds:
+        if kind not in ERROR_KINDS:
+            raise fail(f"unknown harness-error kind {kind!r} (expected "
+                       f"{', '.join(ERROR_KINDS)})", ERRORS_KEY)
+    return frozenset(kinds)
 
 
 def first_match(

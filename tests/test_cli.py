@@ -29,8 +29,9 @@ def make_report(host: str, status_l7: str, *, skip_kind: str | None = None) -> d
     }
     backends = [{"name": "FLASH_ATTN", "path": "m:F", "source": "registry", "overridden": False,
                  "importable": True, "reason": None}]
+    selection = rp.selection_record(backends=["FLASH_ATTN"], collected=2, selected=2)
     return rp.build_report(environment=env, backends=backends, results=results, options={},
-                           strict=True)
+                           strict=True, selection=selection)
 
 
 def dump(path: Path, obj: Any) -> Path:

@@ -270,17 +270,17 @@ def worker_fault_run(tmp_path_factory: pytest.TempPathFactory) -> faultkit.Outco
 # Each fault's test, its error kind, the message, and the test after it (must pass).
 WORKER_FAULT_EXPECTATIONS = {
     "hang": ("test_kv_a2[TORCH_SDPA-bf16_h8]", "timeout",
-             r"WorkerTimeout: KV-A2 \[backend=TORCH_SDPA, case=bf16_h8\]: harness error "
+             r"KV-A2 \[backend=TORCH_SDPA, case=bf16_h8\]: harness error "
              r"\(timeout\) while waiting for the workers to adopt and allocate: <worker cpu "
              r"slot 0 pid \d+> did not answer 'adopt_and_init' within [\d.]+s \(what was left "
              r"of the per-test budget, --kv-timeout=15\) and was killed",
              "test_kv_a2_seam[need_False-bf16_h8]"),
     "die": ("test_kv_a2_seam[need_True-bf16_h8]", "worker-died",
-            r"WorkerDied: KV-A2 \[backend=need=True, case=bf16_h8\]: harness error "
+            r"KV-A2 \[backend=need=True, case=bf16_h8\]: harness error "
             r"\(worker-died\) .*died during 'adopt_and_init' \(exit code -9, killed by SIGKILL",
             "test_kv_a3[TORCH_SDPA-bf16_h8]"),
     "oom": ("test_kv_a3_seam[need_False-bf16_h8]", "oom",
-            r"WorkerOOM: KV-A3 \[backend=need=False, case=bf16_h8\]: harness error \(oom\) .*"
+            r"KV-A3 \[backend=need=False, case=bf16_h8\]: harness error \(oom\) .*"
             r"'adopt_and_init' ran out of memory on cpu: asked for \d+ bytes, \d+ bytes free",
             "test_kv_a3_seam[need_True-bf16_h8]"),
 }
@@ -293,7 +293,7 @@ def test_worker_fault_is_an_error_and_the_run_goes_on(worker_fault_run: faultkit
     test, kind, message, after = WORKER_FAULT_EXPECTATIONS[fault]
     assert faultkit.WORKER_FAULTS[test] == fault
     rows = _report_ok(worker_fault_run)
-    assert rows[test]["status"] in ("error", "failed")  # "error" once the report maps kinds
+    assert (rows[test]["status"], rows[test]["error_kind"]) == ("error", kind)
     assert re.search(message, rows[test]["reason"]), rows[test]["reason"]
     assert "violated" not in rows[test]["reason"]  # never blamed on the backend
     kinds = _error_kinds(worker_fault_run.workdir / "j.xml")
@@ -322,8 +322,8 @@ def test_blocking_declaration_is_an_error_and_the_run_goes_on(
     kinds = _error_kinds(tmp_path / "j.xml")
     for clause in ("KV-L1", "KV-L2"):
         test = f"test_kv_{clause[3:].lower()}[BLOCKING]"
-        assert rows[test]["status"] in ("error", "failed")
-        assert (f"WaitTimeout: {clause} [backend=BLOCKING]: timed out after 2.0s (what was "
+        assert (rows[test]["status"], rows[test]["error_kind"]) == ("error", "timeout")
+        assert (f"{clause} [backend=BLOCKING]: timed out after 2.0s (what was "
                 "left of the per-test budget, --kv-timeout=2) waiting for "
                 "BLOCKING.indexes_kv_by_block_stride() (the backend's layout declaration) to "
                 "return") in rows[test]["reason"]
@@ -347,6 +347,7 @@ def test_killed_run_leaves_no_process(tmp_path: Path, xdist: bool, sig: int) -> 
     assert outcome.returncode == pytest.ExitCode.INTERRUPTED, outcome.output[-3000:]
     assert "KeyboardInterrupt" in outcome.output
     rows = _report_ok(outcome)  # written with what finished before the interrupt
+    assert outcome.report is not None and outcome.report["verdict"] == "interrupted"
     assert rows["test_kv_a2[TORCH_SDPA-bf16_h8]"]["status"] == "passed"
     assert not any(r["status"] == "passed" and "need_True" in name for name, r in rows.items())
 

@@ -85,13 +85,25 @@ def sample_results() -> list[dict[str, Any]]:
     return list(reversed(rows))
 
 
+RUN = rp.run_record(run_id="run-a", started="2026-12-03T07:00:00Z", duration_s=1.5)
+
+
+def complete(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The selection of a run that selected (and ran) every suite test it collected."""
+    n = rp.ran_count(results)
+    return rp.selection_record(backends=[b.name for b in BACKENDS], collected=n, selected=n)
+
+
 def build(results: list[dict[str, Any]] | None = None, strict: bool = False) -> dict[str, Any]:
+    results = sample_results() if results is None else results
     return rp.build_report(
         environment=ENV,
         backends=BACKENDS,
-        results=sample_results() if results is None else results,
+        results=results,
         options={"kv_strict": strict, "kv_report": Path("out/r.json")},
         strict=strict,
+        selection=complete(results),
+        run=RUN,
     )
 
 
@@ -290,7 +302,7 @@ def test_markdown_shares_footnotes_and_escapes_pipes() -> None:
     backends = [{"name": "ODD", "path": "m:C", "source": "hook", "overridden": True,
                  "importable": False, "reason": "bad | worse"}]
     report = rp.build_report(environment=ENV, backends=backends, results=results, options={},
-                             strict=False)
+                             strict=False, selection=complete(results), run=RUN)
     table_row = next(line for line in rp.render_markdown(report).splitlines()
                      if line.startswith("| ODD | hook"))
     assert table_row == "| ODD | hook | m:C | True | False | bad \\| worse |"

@@ -183,6 +183,7 @@ def check_kv_a2(source: Source, case: Case, workers: Workers) -> None:
     """KV-A2: each rank-local config reaches an unpinned worker process intact."""
     run = _run("KV-A2", source, case)
     handles = _ranks(run, workers)
+    _same_backend_class(run, source, handles)
     cp = _control_plane(run, handles[0].device)
     _frames, wire = compat.executor_wire_encode(cp.rpc_message())
     reports = _adopt(run, cp, handles)
@@ -200,6 +201,25 @@ def check_kv_a2(source: Source, case: Case, workers: Workers) -> None:
     if wire != "vllm MessageQueue.enqueue":
         raise ClauseSkip(run.clause, f"the executor's serialiser could not be driven; the "
                          f"configs crossed as {wire}", SkipKind.ENVIRONMENT)
+
+
+def _same_backend_class(run: _Run, source: Source, handles: Sequence[WorkerHandle]) -> None:
+    """Each worker, having loaded its plugins as production workers do, resolves the
+    backend to the class the test process checked; else production would run another."""
+    if isinstance(source, bool) or source.source not in ("registry", "platform"):
+        return  # a stand-in need, or a hook / entry-point backend production never resolves
+    for rank, handle in enumerate(handles):
+        seen = handle.resolve_backend(source.name, source.source)
+        if seen.get("path") != source.path:
+            plugins = seen.get("plugins") or {}
+            failed = "; ".join(plugins.get("failed") or []) or "none"
+            why = f" ({seen['error']})" if seen.get("error") else ""
+            raise run.fail(
+                f"rank {rank}: the worker process resolves backend {source.name} to "
+                f"{seen.get('path')}{why}, the test process to {source.path} (origin: "
+                f"{source.origin or source.source}); production's workers would run a class "
+                f"other than the one checked (worker overrides: {plugins.get('overrides')}, "
+                f"failed plugins: {failed})", expected=source.path, actual=seen.get("path"))
 
 
 def _crossed_process_boundary(run: _Run, rank: int, report: dict[str, Any],
@@ -241,6 +261,7 @@ def check_kv_a3(source: Source, case: Case, workers: Workers) -> None:
     """KV-A3: workers adopt, allocate on their device, and bytes land at oracle offsets."""
     run = _run("KV-A3", source, case)
     handles = _ranks(run, workers)
+    _same_backend_class(run, source, handles)
     _adopt_write_verify(run, handles)
 
 

@@ -1,8 +1,8 @@
-"""Run one clause check under pytest: a ClauseSkip becomes a reported skip.
+"""Run one clause check under pytest: a ClauseSkip becomes a reported skip, a harness
+fault an error of its kind (see ``faults.py``).
 
-The check runs inside the per-test budget (``--kv-timeout``); a harness fault
-(:class:`HarnessError`) keeps its kind on user_properties (``kv_error_kind``) so
-the report can show it as an error, never as the backend's failure.
+The check runs inside the per-test budget (``--kv-timeout``): every wait in it is
+bounded by what is left (``budget.py``).
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import budget
-from pytest_kvconform.checks.errors import ClauseSkip, HarnessError
+from pytest_kvconform.checks.errors import ClauseSkip
+from pytest_kvconform.faults import ERROR_KIND_PROPERTY, harness_kind
 from pytest_kvconform.model import SKIP_KIND_PROPERTY
-
-ERROR_KIND_PROPERTY = "kv_error_kind"
 
 
 def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args: Any,
               **kwargs: Any) -> None:
-    """Call ``check``; skips keep their kind on user_properties for strict mode."""
+    """Call ``check``; skips keep their kind on user_properties for strict mode, and so do
+    harness faults (the session reports them as status ``error``, never as failures)."""
     from pytest_kvconform.plugin import kv_session
 
     try:
@@ -32,6 +32,8 @@ def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args:
         # Reported at the test, not at this helper.
         raise pytest.skip.Exception(f"{skip.clause}: {skip.reason}", _use_item_location=True)\
             from None
-    except HarnessError as exc:
-        request.node.user_properties.append((ERROR_KIND_PROPERTY, exc.kind.value))
+    except Exception as exc:
+        kind = harness_kind(exc)
+        if kind is not None:
+            request.node.user_properties.append((ERROR_KIND_PROPERTY, kind.value))
         raise

@@ -1,0 +1,77 @@
+"""How fast bad output paths and a bad xfails file are refused (target: ~1 s, before vLLM).
+
+Run in the default environment:  python benchmarks/bench_startup.py [-o FILE]
+Each case is a fresh ``pytest --kv-conformance`` process that must end in a usage error
+(exit 4) at start-up; the table records its wall time and whether torch / vllm /
+vllm_omni were imported by then (a conftest writes ``sys.modules`` at unconfigure).
+Results are appended to benchmarks/RESULTS.md.  No timed assertions: this only measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROBE = '''
+import sys
+from pathlib import Path
+
+
+def pytest_unconfigure(config):
+    heavy = sorted(m for m in ("torch", "vllm", "vllm_omni") if m in sys.modules)
+    Path("heavy.txt").write_text(",".join(heavy) or "none")
+'''
+
+
+def cases(tmp: Path) -> dict[str, list[str]]:
+    (tmp / "bad.toml").write_text("[[xfail]]\nbackend = 'A'\n")
+    (tmp / "a_file").write_text("")
+    (tmp / "a_dir").mkdir()
+    ro = "/sys" if os.geteuid() == 0 else str(tmp / "ro")
+    if ro != "/sys":
+        Path(ro).mkdir()
+        Path(ro).chmod(0o555)
+    return {
+        f"--kv-report into a read-only directory ({ro})": ["--kv-report", f"{ro}/r.json"],
+        "--kv-report under a file (file/r.json)": ["--kv-report", "a_file/r.json"],
+        "--kv-report naming a directory": ["--kv-report", "a_dir"],
+        "--kv-xfails file missing a key": ["--kv-xfails", "bad.toml"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("RESULTS.md")))
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        (tmp / "conftest.py").write_text(PROBE)
+        for label, extra in cases(tmp).items():
+            cmd = [sys.executable, "-m", "pytest", "--kv-conformance", "-p", "no:cacheprovider",
+                   "-q", *extra]
+            started = time.perf_counter()
+            proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600)
+            seconds = time.perf_counter() - started
+            heavy = (tmp / "heavy.txt").read_text() if (tmp / "heavy.txt").exists() else "?"
+            message = (proc.stderr.strip().splitlines() or [""])[-1].replace("|", "\\|")
+            rows.append(f"| {label} | {seconds:.2f} | {proc.returncode} | {heavy} | {message} |")
+            print(rows[-1], flush=True)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"\n## {stamp} — start-up refusals, {platform.node()}, {os.cpu_count()} cores\n\n"
+              "| case | wall s | exit | heavy modules imported | message |\n"
+              "|---|---|---|---|---|\n")
+    with open(args.output, "a", encoding="utf-8") as out:
+        out.write(header + "\n".join(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,594 @@
+"""An honest verdict: partial and interrupted runs, harness faults, unwritable outputs.
+
+Pure tests of the verdict, the schema, the fault classifier and the start-up checks
+first; then end-to-end runs through pytest (inline, sharing one vllm-omni import),
+each asserting the verdict, the exit code, the message and that the summary printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_kvconform import faults, startup, xfails
+from pytest_kvconform import report as rp
+from pytest_kvconform.cli import main
+from pytest_kvconform.outcomes import ErrorKind, HarnessError
+from tests.conftest import KV_ARGS, needs_omni
+
+ENV = {
+    "python": "3.11.7", "torch": "2.13.0", "vllm": "0.30.0", "vllm_omni": "0.30.0",
+    "platform": "Linux", "host": "box", "options": {}, "seed": None,
+    "devices": [{"name": "cpu", "memory_bytes": None, "driver": None, "cuda": None}],
+}
+BACKENDS = [{"name": "GOOD", "path": "m:G", "source": "hook", "overridden": False,
+             "importable": True, "reason": None}]
+
+
+def row(nodeid: str, status: str = "passed", **extra: Any) -> dict[str, Any]:
+    return {"nodeid": nodeid, "backend": "GOOD", "clause": "KV-L1", "case": None,
+            "layout": None, "device": "cpu", "status": status, "reason": None,
+            "duration_s": 0.1, **extra}
+
+
+def build(results: list[dict[str, Any]], *, strict: bool = True, **selection: Any
+          ) -> dict[str, Any]:
+    n = rp.ran_count(results)
+    fields = {"backends": ["GOOD"], "collected": n, "selected": n, **selection}
+    run = rp.run_record(interruption=selection.pop("interruption", None))
+    fields.pop("interruption", None)
+    return rp.build_report(environment=ENV, backends=BACKENDS, results=results, options={},
+                           strict=strict, selection=rp.selection_record(**fields), run=run)
+
+
+# --------------------------------------------------------------------------- verdict
+
+
+def test_complete_run_qualifies() -> None:
+    assert build([row("a"), row("b")])["verdict"] == "qualified"
+
+
+@pytest.mark.parametrize(("selection", "phrase"), [
+    ({"keyword": "kv_l1", "collected": 258, "selected": 2},
+     "-k 'kv_l1' deselected 256 of 258 suite tests"),
+    ({"markexpr": "slow", "collected": 3, "selected": 2}, "-m 'slow' deselected 1 of 3"),
+    ({"collected": 3, "selected": 2}, "deselection (--deselect, --lf or a plugin) deselected 1"),
+    ({"excluded_backends": ["FLASH_ATTN", "SAGE"]},
+     "--kv-backend left out 2 backend(s): FLASH_ATTN, SAGE"),
+    ({"paths": ["suite/test_layout.py"]}, "collection narrowed to suite/test_layout.py"),
+    ({"collected": None, "selected": None}, "number of suite tests collected was not reported"),
+])
+def test_left_out_parts_make_the_run_partial(selection: dict[str, Any], phrase: str) -> None:
+    report = build([row("a"), row("b")], **selection)
+    assert report["verdict"] == "partial"
+    assert phrase in rp.verdict_text(report["verdict"], [], report["selection"], report["run"],
+                                     report["results"])
+    assert phrase in rp.render_markdown(report)
+    report["verdict"] = "qualified"  # as a hand edit would
+    with pytest.raises(rp.ReportError, match=r"'qualified' but the results give 'partial'"):
+        rp.validate_report(report)
+
+
+def test_unrecorded_selection_is_at_best_partial() -> None:
+    report = rp.build_report(environment=ENV, backends=BACKENDS, results=[row("a")],
+                             options={}, strict=True)
+    assert report["selection"] is None
+    assert report["verdict"] == "partial"
+
+
+def test_interruption_wins_and_missing_results_mean_interrupted() -> None:
+    stopped = build([row("a")], interruption="KeyboardInterrupt")
+    assert stopped["verdict"] == "interrupted"
+    assert "Interrupted: KeyboardInterrupt." in rp.render_markdown(stopped)
+    failed_then_stopped = build([row("a", "failed")], interruption="stopping after 1 failures")
+    assert failed_then_stopped["verdict"] == "interrupted"
+    short = build([row("a")], collected=3, selected=3)  # two selected tests never reported
+    assert short["verdict"] == "interrupted"
+    assert rp.interruption_of(short["run"], short["selection"], short["results"]) == (
+        "2 of 3 selected suite tests did not run")
+
+
+def test_failure_in_a_partial_run_is_not_qualified() -> None:
+    assert build([row("a", "failed")], keyword="kv_l1", collected=9, selected=1)["verdict"] == (
+        "not qualified")
+
+
+def test_more_results_than_selected_tests_is_refused() -> None:
+    report = build([row("a"), row("b")])
+    report["selection"].update(collected=1, selected=1)
+    with pytest.raises(rp.ReportError, match=r"^\$\.selection\.selected: 1 tests selected"):
+        rp.validate_report(report)
+
+
+@pytest.mark.parametrize("where", ["result", "run"])
+def test_non_finite_numbers_are_refused(tmp_path: Path, capsys: Any, where: str) -> None:
+    report = build([row("a")])
+    if where == "result":
+        report["results"][0]["duration_s"] = float("nan")
+        path = "$.results[0].duration_s"
+    else:
+        report["run"]["duration_s"] = float("inf")
+        path = "$.run.duration_s"
+    with pytest.raises(rp.ReportError) as info:
+        rp.validate_report(report)
+    assert info.value.path == path
+    bad = tmp_path / "nan.json"
+    bad.write_text(json.dumps(report))  # Python writes NaN / Infinity; JSON has neither
+    assert main(["validate", str(bad)]) == 2
+    assert f"{bad}: {path}: expected a finite number" in capsys.readouterr().err
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(build([row("a")])))
+    assert main(["merge", str(good), str(bad)]) == 2
+
+
+def test_merge_refuses_the_same_run_twice(tmp_path: Path, capsys: Any) -> None:
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps(build([row("a")])))
+    copy = tmp_path / "copy.json"
+    copy.write_text(a.read_text())
+    for pair in ([a, a], [a, copy]):
+        assert main(["merge", *map(str, pair)]) == 2
+        err = capsys.readouterr().err
+        assert f"{pair[0]} and {pair[1]} are the same run" in err
+        assert "host 'box'" in err and "merge each host's report once" in err
+    other = tmp_path / "other.json"  # the same host, another run: fine
+    other.write_text(json.dumps(build([row("a")])))
+    assert main(["merge", str(a), str(other)]) == 0
+
+
+def test_merged_verdict_is_the_worst_host() -> None:
+    reports = [build([row("a")]), build([row("a")], keyword="kv")]
+    assert rp.merged_verdict(reports) == "partial"
+    assert "**Verdict: partial**" in rp.render_merged_markdown(
+        [("a.json", reports[0]), ("b.json", reports[1])])
+
+
+def test_error_rows_carry_their_kind() -> None:
+    results = [row("a"), row("b", "error", error_kind="worker-died",
+                             reason="worker pid 7 died (exit code -9)")]
+    report = build(results, strict=False)
+    assert report["verdict"] == "not qualified"
+    md = rp.render_markdown(report)
+    assert "| GOOD | error 1/2[^1] |" in md
+    assert "[^1]: error (worker-died): worker pid 7 died (exit code -9)" in md
+    assert "Harness errors (E; the harness failed, not the backend): worker-died 1." in md
+    assert rp.render_terminal_matrix(report["results"], BACKENDS)[1].split() == ["GOOD", "E"]
+    bad = json.loads(json.dumps(report))
+    bad["results"][1]["error_kind"] = "gremlins"
+    with pytest.raises(rp.ReportError, match=r"error_kind: expected one of worker-died"):
+        rp.validate_report(bad)
+    bad["results"][1]["error_kind"] = None
+    bad["results"][0]["error_kind"] = "oom"
+    with pytest.raises(rp.ReportError, match=r"results\[0\]\.error_kind: set on a 'passed'"):
+        rp.validate_report(bad)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def _raise_value_error() -> None:
+    raise ValueError("raised outside the plugin, as installed code would")
+
+
+def test_harness_kind_classifies_what_escapes_a_check() -> None:
+    def caught(fn: Any) -> BaseException:
+        try:
+            fn()
+        except BaseException as exc:
+            return exc
+        raise AssertionError("did not raise")
+
+    assert faults.harness_kind(HarnessError("x", kind=ErrorKind.TIMEOUT)) is ErrorKind.TIMEOUT
+    assert faults.harness_kind(HarnessError("x")) is ErrorKind.HARNESS
+    assert faults.harness_kind(MemoryError()) is ErrorKind.OOM
+    assert faults.harness_kind(type("OutOfMemoryError", (RuntimeError,), {})()) is ErrorKind.OOM
+    assert faults.harness_kind(AssertionError("clause")) is None
+    assert faults.harness_kind(KeyboardInterrupt()) is None
+    # Installed code raising through a check stays a clause outcome...
+    assert faults.harness_kind(caught(_raise_value_error)) is None
+    # ...the plugin's own code raising is a harness fault.
+    plugin_bug = caught(lambda: rp.clause_sort_key(None))  # type: ignore[arg-type]
+    assert faults.raised_in_plugin(plugin_bug)
+    assert faults.harness_kind(plugin_bug) is ErrorKind.HARNESS
+
+
+@pytest.mark.parametrize(("value", "absorbs"), [
+    ("true", {"worker-died", "timeout", "oom", "harness"}),
+    ("false", set()),
+    ('"oom"', {"oom"}),
+    ('["timeout", "worker-died"]', {"timeout", "worker-died"}),
+])
+def test_xfail_entries_absorb_errors_only_when_they_say_so(tmp_path: Path, value: str,
+                                                           absorbs: set[str]) -> None:
+    f = tmp_path / "x.toml"
+    f.write_text(f'[[xfail]]\nbackend = "A"\nclause = "KV-A3"\nreason = "r"\nerrors = {value}\n'
+                 '[[xfail]]\nbackend = "A"\nclause = "KV-A3"\nreason = "plain"\n')
+    with_key, plain = xfails.load_xfails(f)
+    assert {k for k in faults.ErrorKind if with_key.absorbs_error(k.value)} == absorbs
+    assert not any(plain.absorbs_error(k.value) for k in faults.ErrorKind)
+
+
+def test_xfail_errors_key_is_validated(tmp_path: Path) -> None:
+    f = tmp_path / "x.toml"
+    f.write_text('[[xfail]]\nbackend = "A"\nclause = "KV-A3"\nreason = "r"\nerrors = "gremlin"\n')
+    with pytest.raises(xfails.XfailFileError, match=r"x\.toml: \[\[xfail\]\] entry 1: key "
+                       r"'errors': unknown harness-error kind 'gremlin'"):
+        xfails.load_xfails(f)
+
+
+# --------------------------------------------------------------------------- start-up checks
+
+
+def _sys_is_writable() -> bool:
+    try:
+        startup.check_report_path(Path("/sys/kvconform-r.json"))
+    except startup.StartupError:
+        return False
+    return True
+
+
+def test_report_path_checks(tmp_path: Path) -> None:
+    assert startup.check_report_path(tmp_path / "r.json") == (tmp_path / "r.json",
+                                                              tmp_path / "r.md")
+    # A .md path is understood: Markdown there, JSON next to it.
+    assert startup.check_report_path(tmp_path / "r.md") == (tmp_path / "r.json",
+                                                            tmp_path / "r.md")
+    with pytest.raises(startup.StartupError, match="is a directory; give a file path"):
+        startup.check_report_path(tmp_path)
+    (tmp_path / "d.md").mkdir()
+    with pytest.raises(startup.StartupError, match=r"d\.md is a directory"):
+        startup.check_report_path(tmp_path / "d.json")
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(startup.StartupError, match=r"file is not a directory"):
+        startup.check_report_path(a_file / "r.json")  # refused even for root
+    with pytest.raises(startup.StartupError, match="does not exist"):
+        startup.check_report_path(tmp_path / "no" / "r.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.md", "file"]  # no probe left
+
+
+@pytest.mark.skipif(_sys_is_writable(), reason="/sys is writable here")
+def test_report_path_in_a_directory_nobody_may_write(tmp_path: Path) -> None:
+    with pytest.raises(startup.StartupError, match=r"directory /sys is not writable"):
+        startup.check_report_path(Path("/sys/r.json"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a mode-0555 directory")
+def test_report_path_in_a_read_only_directory(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(startup.StartupError, match=r"ro is not writable"):
+            startup.check_report_path(ro / "r.json")
+    finally:
+        ro.chmod(0o755)
+
+
+def test_reports_are_written_with_the_usual_mode(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        json_path, md_path = rp.write_report(tmp_path / "r.md", build([row("a")]))
+    finally:
+        os.umask(old)
+    assert (json_path.name, md_path.name) == ("r.json", "r.md")
+    for path in (json_path, md_path):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]  # no temp file
+
+
+# --------------------------------------------------------------------------- end to end
+
+STAND_INS = '''
+import pytest
+
+
+class Good:
+    @classmethod
+    def indexes_kv_by_block_stride(cls):
+        return False
+
+
+def pytest_kvconform_backends(config):
+    return {"GOOD": Good, "OTHER": Good}
+'''
+# Stop the session after the first suite test, as Ctrl-C would.  A registered plugin,
+# not a conftest hook: the suite's tests live outside this conftest's directory.
+CTRL_C = '''
+
+class _CtrlC:
+    def pytest_runtest_logfinish(self, nodeid, location):
+        raise KeyboardInterrupt
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_CtrlC())
+'''
+# The plugin's own bug: a broken constant inside checks/layout.py (restored afterwards).
+PLUGIN_BUG = '''
+
+import pytest_kvconform.checks.layout as _layout
+_CALLS = _layout._CALLS
+
+
+def pytest_configure(config):
+    _layout._CALLS = "three"
+
+
+def pytest_unconfigure(config):
+    _layout._CALLS = _CALLS
+'''
+KV_L1 = ("-k", "kv_l1", "--kv-backend", "GOOD")
+
+
+def _summary_printed(result: pytest.RunResult) -> None:
+    result.stdout.fnmatch_lines(["*kvconform: backend x clause*", "backend *",
+                                 "legend: *E error*"])
+
+
+@needs_omni
+def test_k_selected_strict_run_is_partial(pytester: pytest.Pytester, kv_run: Any) -> None:
+    pytester.makeconftest(STAND_INS)
+    (pytester.path / "out").mkdir()
+    result = kv_run(*KV_L1, "--kv-strict", "--kv-report", "out/r.json")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # everything that ran passed
+    result.assert_outcomes(passed=1)
+    _summary_printed(result)
+    result.stdout.fnmatch_lines(["*kvconform: verdict: partial (left out: -k 'kv_l1' deselected "
+                                 "* of * suite tests; --kv-backend left out * backend(s): *"])
+    data = json.loads((pytester.path / "out" / "r.json").read_text())
+    rp.validate_report(data)
+    assert data["verdict"] == "partial"
+    sel = data["selection"]
+    assert (sel["keyword"], sel["backends"], sel["selected"]) == ("kv_l1", ["GOOD"], 1)
+    assert "OTHER" in sel["excluded_backends"]
+    assert sel["collected"] > 1 and sel["deselected"] == sel["collected"] - 1
+    assert data["run"]["interruption"] is None and data["run"]["id"]
+    # Without --kv-strict the verdict is the same; the exit code is pytest's.
+    lenient = kv_run(*KV_L1)
+    assert lenient.ret == pytest.ExitCode.OK
+    lenient.stdout.fnmatch_lines(["*kvconform: verdict: partial*"])
+
+
+@needs_omni
+def test_interrupted_run_says_interrupted(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(STAND_INS + CTRL_C)
+    result = pytester.runpytest(*KV_ARGS, "-k", "kv_l1", "--kv-backend", "GOOD", "--kv-backend",
+                                "OTHER", "--kv-report", "r.md", no_reraise_ctrlc=True)
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    _summary_printed(result)
+    result.stdout.fnmatch_lines(["*kvconform: verdict: interrupted (interrupted: "
+                                 "KeyboardInterrupt*"])
+    data = json.loads((pytester.path / "r.json").read_text())  # .md understood
+    rp.validate_report(data)
+    assert (data["verdict"], data["run"]["interruption"]) == ("interrupted", "KeyboardInterrupt")
+    assert data["summary"]["total"] == 1
+    assert "Interrupted: KeyboardInterrupt." in (pytester.path / "r.md").read_text()
+
+
+@needs_omni
+def test_maxfail_stop_is_interrupted(pytester: pytest.Pytester, kv_run: Any) -> None:
+    pytester.makeconftest(STAND_INS + PLUGIN_BUG)
+    result = kv_run("-x", "-k", "kv_l1 or kv_l2", "--kv-backend", "GOOD", "--kv-strict")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    _summary_printed(result)
+    result.stdout.fnmatch_lines(["*kvconform: verdict: interrupted (interrupted: stopping after "
+                                 "1 failures*"])
+
+
+@needs_omni
+def test_plugin_bug_is_an_error_never_a_failure(pytester: pytest.Pytester, kv_run: Any) -> None:
+    pytester.makeconftest(STAND_INS + PLUGIN_BUG)
+    plain = pytester.makefile(".toml", plain='''
+        [[xfail]]
+        backend = "GOOD"
+        clause = "KV-L1"
+        reason = "a clause failure only"
+    ''')
+    result = kv_run(*KV_L1, "--kv-xfails", str(plain), "--kv-report", "r.json")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(failed=1)  # the xfail entry did not absorb it
+    _summary_printed(result)
+    result.stdout.fnmatch_lines(["GOOD *E", "*1 harness error(s) (harness): the harness failed, "
+                                 "not the backend*", "*verdict: not qualified*"])
+    (row_,) = json.loads((pytester.path / "r.json").read_text())["results"]
+    assert (row_["status"], row_["error_kind"]) == ("error", "harness")
+    assert "TypeError" in row_["reason"]
+    declared = pytester.makefile(".toml", declared='''
+        [[xfail]]
+        backend = "GOOD"
+        clause = "KV-L1"
+        reason = "the harness is known broken here"
+        errors = ["harness"]
+    ''')
+    absorbed = kv_run(*KV_L1, "--kv-xfails", str(declared), "--kv-report", "r2.json")
+    absorbed.assert_outcomes(xfailed=1)
+    (row_,) = json.loads((pytester.path / "r2.json").read_text())["results"]
+    assert (row_["status"], row_["error_kind"]) == ("xfailed", "harness")
+
+
+# Kill the rank-0 worker before adoption; the harness must call it worker-died.
+WORKER_KILL = '''
+
+import pytest_kvconform.checks.adoption as _adoption
+from pytest_kvconform.outcomes import ErrorKind, HarnessError
+
+_BROADCAST = _adoption.broadcast_adopt
+
+
+def _killed(handles, frames, **kwargs):
+    try:
+        handles[0].request("crash", text="seeded: worker killed", code=9)
+    except HarnessError:
+        raise  # the worker harness already says what happened
+    except Exception as exc:  # before workers.py raises HarnessError kinds itself
+        raise HarnessError(str(exc), kind=ErrorKind.WORKER_DIED) from exc
+    raise AssertionError("the crash command returned")
+
+
+def pytest_configure(config):
+    _adoption.broadcast_adopt = _killed
+
+
+def pytest_unconfigure(config):
+    _adoption.broadcast_adopt = _BROADCAST
+'''
+
+
+@needs_omni
+def test_killed_worker_is_an_error_of_kind_worker_died(pytester: pytest.Pytester,
+                                                      kv_run: Any) -> None:
+    pytester.makeconftest(STAND_INS + WORKER_KILL)
+    entry = pytester.makefile(".toml", known='''
+        [[xfail]]
+        backend = "*"
+        clause = "KV-A3"
+        reason = "would silently absorb a crash if errors matched"
+    ''')
+    result = kv_run("-k", "test_kv_a3_seam and need_False and bf16_h8", "--kv-xfails",
+                    str(entry), "--kv-report", "r.json", "--kv-strict")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(failed=1)
+    _summary_printed(result)
+    result.stdout.fnmatch_lines(["need_False *E", "*harness error(s) (worker-died)*"])
+    (row_,) = json.loads((pytester.path / "r.json").read_text())["results"]
+    assert (row_["status"], row_["error_kind"], row_["clause"]) == ("error", "worker-died",
+                                                                     "KV-A3")
+    assert "KV-A3 violated" not in row_["reason"]
+    assert "error (worker-died)" in (pytester.path / "r.md").read_text()
+
+
+@needs_omni
+def test_suite_path_argument_is_partial(pytester: pytest.Pytester, kv_run: Any) -> None:
+    pytester.makeconftest(STAND_INS)
+    suite_file = Path(rp.__file__).parent / "suite" / "test_nullblock.py"
+    result = kv_run(str(suite_file), "-k", "kv_n1", "--kv-report", "r.json")
+    assert result.ret == pytest.ExitCode.OK
+    _summary_printed(result)
+    result.stdout.fnmatch_lines([f"*kvconform: verdict: partial (left out: *collection narrowed "
+                                 f"to {suite_file}*"])
+    data = json.loads((pytester.path / "r.json").read_text())
+    assert data["selection"]["paths"] == [str(suite_file)]
+    assert data["verdict"] == "partial"
+
+
+@needs_omni
+def test_unwritable_report_at_the_end_still_prints_the_summary(pytester: pytest.Pytester,
+                                                               kv_run: Any) -> None:
+    # The directory is replaced by a file after start-up, before the report is written.
+    pytester.makeconftest(STAND_INS + '''
+
+import shutil
+from pathlib import Path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    shutil.rmtree("out")
+    Path("out").write_text("not a directory any more")
+''')
+    (pytester.path / "out").mkdir()
+    result = kv_run(*KV_L1, "--kv-report", "out/r.json")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # the test passed; the report is lost
+    result.assert_outcomes(passed=1)
+    _summary_printed(result)
+    result.stdout.fnmatch_lines(["*kvconform: verdict: partial*",
+                                 "*kvconform: ERROR: the report could not be written to "
+                                 "out/r.json: File exists: *out*"])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    assert "pytest_sessionfinish" not in result.stdout.str() + result.stderr.str()
+
+
+def test_raising_backends_hook_is_a_usage_error(pytester: pytest.Pytester, kv_run: Any) -> None:
+    pytester.makeconftest('''
+        def pytest_kvconform_backends(config):
+            raise RuntimeError("registry offline")
+    ''')
+    result = kv_run("--collect-only")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*kvconform: the pytest_kvconform_backends hook in "
+                                 f"{pytester.path / 'conftest.py'} raised RuntimeError: "
+                                 "registry offline (at *conftest.py:2)*"])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+
+
+def test_report_path_is_a_directory_is_a_usage_error(pytester: pytest.Pytester,
+                                                      kv_run: Any) -> None:
+    (pytester.path / "out").mkdir()
+    result = kv_run("--kv-report", "out")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kv-report: out is a directory; give a file path such as "
+                                 "out/report.json*"])
+
+
+# Records, at the very end of the process, whether the serving stack was imported.
+IMPORT_PROBE = '''
+import sys
+from pathlib import Path
+
+
+def pytest_unconfigure(config):
+    heavy = sorted(m for m in ("torch", "vllm", "vllm_omni") if m in sys.modules)
+    Path("heavy.txt").write_text(",".join(heavy))
+'''
+
+
+def _read_only_dir(pytester: pytest.Pytester) -> str:
+    """A directory this process truly cannot write into, root or not."""
+    if os.geteuid() != 0:
+        ro = pytester.mkdir("ro")
+        ro.chmod(0o555)
+        return str(ro)
+    if not _sys_is_writable():
+        return "/sys"
+    pytest.skip("no directory is read-only for root here")
+
+
+@pytest.mark.parametrize("bad", ["read-only report dir", "bad xfails"])
+def test_startup_errors_come_before_discovery(pytester: pytest.Pytester, bad: str) -> None:
+    pytester.makeconftest(IMPORT_PROBE)
+    if bad == "read-only report dir":
+        directory = _read_only_dir(pytester)
+        args = ["--kv-report", f"{directory}/r.json"]
+        expected = f"*--kv-report: {directory}/r.json: directory {directory} is not writable*"
+    else:
+        pytester.makefile(".toml", bad="[[xfail]]\nbackend = 'A'\n")
+        args = ["--kv-xfails", "bad.toml"]
+        expected = "*--kv-xfails: bad.toml: [[]*xfail]] entry 1: key 'clause': missing*"
+    result = pytester.runpytest_subprocess(*KV_ARGS, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([expected])
+    assert (pytester.path / "heavy.txt").read_text() == ""  # nothing heavy imported
+    assert not list(Path(pytester.path).glob("**/.kvconform-probe-*"))
+
+
+# --------------------------------------------------------------------------- kvconform run
+
+
+@needs_omni
+def test_kvconform_run_keeps_the_report_where_asked_or_says_none(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    pytester.makeconftest(STAND_INS)
+
+    def inline_main(args: list[str], plugins: Any = ()) -> int:
+        return int(pytester.inline_run(*args, "-p", "no:cacheprovider", "-p", "no:xdist",
+                                       plugins=list(plugins)).ret)
+
+    monkeypatch.setattr(pytest, "main", inline_main)
+    assert main(["run", "--report", "kept.md", *KV_L1]) == 0
+    out = capsys.readouterr().out
+    assert (pytester.path / "kept.json").is_file() and (pytester.path / "kept.md").is_file()
+    assert "**Verdict: partial** (non-strict)" in out
+    assert main(["run", *KV_L1]) == 0
+    out = capsys.readouterr().out
+    assert "**Verdict: partial** (non-strict)" in out
+    assert out.rstrip().endswith("kvconform: no report file kept (pass --report PATH to keep "
+                                 "one)")
+    assert "report written to" not in out
+    assert sorted(p.name for p in pytester.path.iterdir() if p.suffix in (".json", ".md")) == [
+        "kept.json", "kept.md"]
