@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pytest_kvconform import budget
 from pytest_kvconform import clauses as clauses_mod
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.outcomes import ClauseFailure, ClauseSkip, ErrorKind, HarnessError, SkipKind
@@ -320,7 +321,8 @@ def _execute(run: _Run, device: str, kv_workers: Any, memory_fraction: float) ->
                            test=run.test_id)
     try:
         check = run.check.resolve()
-        check(*_arguments(run, device, kv_workers, memory_fraction))
+        with budget.per_test(budget.DEFAULT_TIMEOUT_S):  # as --kv-timeout bounds a test
+            check(*_arguments(run, device, kv_workers, memory_fraction))
     except ClauseSkip as skip:
         status: Status = "skipped"
         message = f"{skip.clause}: {skip.reason}"

@@ -14,6 +14,7 @@ from typing import Any
 
 from pytest_kvconform.model import Case
 
+MIN_PAGES = 2  # the null block plus one usable block
 DTYPE_SIZES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 _INT_KEYS = ("block_size", "num_kv_heads", "head_size", "num_layers", "num_pages", "world_size",
              "num_groups")
@@ -56,6 +57,11 @@ def _validate(raw: dict[str, Any], file: str, index: int) -> Case:
     if case.page_size_padded is not None and case.page_size_padded < page_bytes(case):
         raise _err(file, label, "page_size_padded",
                    f"{case.page_size_padded} is smaller than the dense page ({page_bytes(case)} B)")
+    if case.num_pages < MIN_PAGES:
+        raise _err(file, label, "num_pages",
+                   f"{case.num_pages} page cannot be served: a case needs at least {MIN_PAGES} "
+                   "(the null block is held back, so fewer leaves no usable block; vLLM "
+                   "refuses to size it); KV-N4 checks that refusal with its own amounts")
     if case.expected_usable_blocks is not None and case.expected_usable_blocks >= case.num_pages:
         raise _err(file, label, "expected_usable_blocks",
                    "must be below num_pages: the null block is never handed out")

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from pytest_kvconform.budget import DEFAULT_TIMEOUT_S
+
 GROUP = "kvconform"
 
 
@@ -48,6 +50,11 @@ def add_options(parser: pytest.Parser) -> None:
     both("--kv-memory-fraction", "kv_memory_fraction",
          "fraction of a GPU's free memory KV-A6 allocates (default 0.5)", default=None,
          metavar="F", ini_type="string", ini_default="0.5")
+    both("--kv-timeout", "kv_timeout",
+         "per-test budget in seconds: a clause check still waiting (on a worker, or on a "
+         "backend's declaration) after it is an error naming what it waited for "
+         f"(default {DEFAULT_TIMEOUT_S:g})", default=None, metavar="SECONDS",
+         ini_type="string", ini_default=f"{DEFAULT_TIMEOUT_S:g}")
     both("--kv-plugins", "kv_plugins",
          "production: load vLLM / vllm-omni general and platform plugins before discovery, "
          "as production processes do (default); none: check in-tree classes only "
@@ -68,6 +75,7 @@ class Options:
     strict: bool = False
     allow_oversubscribe: bool = False
     memory_fraction: float = 0.5
+    timeout: float = DEFAULT_TIMEOUT_S
     plugins: str = "production"
     raw: dict[str, Any] = field(default_factory=dict)
 
@@ -91,6 +99,7 @@ class Options:
                                     "number") from None
         if not 0 < fraction <= 1:
             raise pytest.UsageError(f"--kv-memory-fraction: {fraction} must be in (0, 1]")
+        timeout = _timeout(str(get("kv_timeout")))
         plugins = str(get("kv_plugins") or "production")
         if plugins not in ("production", "none"):
             raise pytest.UsageError(f"--kv-plugins: {plugins!r} is not one of production, none")
@@ -104,12 +113,25 @@ class Options:
             strict=bool(get("kv_strict")),
             allow_oversubscribe=bool(get("kv_allow_oversubscribe")),
             memory_fraction=fraction,
+            timeout=timeout,
             plugins=plugins,
             raw={
                 "backends": list(get("kv_backend") or []), "device": str(get("kv_device")),
                 "cases": [str(c) for c in cases], "report": report, "xfails": xfails,
                 "strict": bool(get("kv_strict")), "memory_fraction": fraction,
+                "timeout": timeout,
                 "numprocesses": getattr(config.option, "numprocesses", None),
                 "plugins": plugins,
             },
         )
+
+
+def _timeout(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise pytest.UsageError(f"--kv-timeout: {text!r} is not a number of seconds") from None
+    if not 0 < seconds < float("inf"):
+        raise pytest.UsageError(f"--kv-timeout: {seconds:g} must be a positive number of "
+                                "seconds")
+    return seconds

@@ -46,6 +46,10 @@ def pytest_configure(config: pytest.Config) -> None:
                             "test is parametrised with (predicate(case) -> bool)")
     xfails = _startup_checks(options)  # before anything heavy is imported
     _add_suite(config)
+    if hasattr(config, "workerinput"):  # an xdist worker never outlives its controller
+        from pytest_kvconform.workers import exit_with_parent
+
+        exit_with_parent()
     from pytest_kvconform.session import KvSession
 
     config.pluginmanager.register(KvSession(config, options, xfails=xfails), SESSION_PLUGIN)

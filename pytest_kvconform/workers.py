@@ -22,8 +22,22 @@ device string (``"cuda:1"``) inherits the parent's environment.
 
 Seeded faults reach the child through the command, not through monkeypatching
 (which a spawned child never sees): the parent forwards ``$KVCONFORM_WORKER_FAULT``
-(``skip_adoption`` or ``wrong_offset``) with every command; :func:`active_fault`
-says which one is active, so a qualification run can refuse it.
+with every command; :func:`active_fault` says which one is active, so a
+qualification run can refuse it.  ``skip_adoption`` and ``wrong_offset`` are
+contract faults (the clause must fail); ``hang``, ``die`` and ``oom`` are process
+faults in ``adopt_and_init`` (the test must end as a harness error, and the run go on).
+
+Process faults are harness errors (:class:`~pytest_kvconform.outcomes.HarnessError`),
+never clause failures: :class:`WorkerDied`, :class:`WorkerTimeout` (the worker was
+killed; the pool replaces it on the next request) and :class:`WorkerOOM` (with the
+bytes asked for and free; the worker dropped its allocation and keeps serving).
+Every wait is bounded: start-up by ``STARTUP_TIMEOUT_S``, each command by what is
+left of the per-test budget (``budget.py``, ``--kv-timeout``), else ``COMMAND_TIMEOUT_S``.
+
+Lifetime: a worker never outlives its parent (``lifetime.py``: parent-death signal
+plus a lifeline-pipe watchdog), ignores SIGINT (its parent decides when it stops),
+and with ``$KVCONFORM_WORKER_PIDDIR`` set writes ``<pid>.worker`` there, so a test can
+check by PID that nothing is left.
 
 Stdlib only at import (numpy, torch, pytest and ``compat`` are imported where used).
 """
@@ -38,16 +52,23 @@ import multiprocessing.connection
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from pytest_kvconform import budget, lifetime
 from pytest_kvconform.model import declaring
+from pytest_kvconform.outcomes import ErrorKind, HarnessError
 
 FAULT_ENV = "KVCONFORM_WORKER_FAULT"
-FAULTS = ("skip_adoption", "wrong_offset")
+FAULTS = ("skip_adoption", "wrong_offset", "hang", "die", "oom")
+PIDDIR_ENV = "KVCONFORM_WORKER_PIDDIR"
+# The seeded ``oom`` fault asks for this many times the real allocation (past any host).
+OOM_FAULT_FACTOR = 1 << 40
 # A preload step, not a module: load the vLLM / vllm-omni plugins as vllm-omni's diffusion
 # workers do (omni_plugins.load_plugins), so the worker resolves backends as production would.
 LOAD_PLUGINS = "kvconform:load-plugins"
@@ -72,12 +93,29 @@ class WorkerError(RuntimeError):
     """A worker could not answer: it died, timed out, or its command raised."""
 
 
-class WorkerDied(WorkerError):
+class WorkerDied(WorkerError, HarnessError):
     """The worker process exited; the message carries its exit code and stderr tail."""
+
+    kind = ErrorKind.WORKER_DIED
+
+
+class WorkerTimeout(WorkerError, HarnessError):
+    """The worker did not answer in time and was killed; the pool replaces it."""
+
+    kind = ErrorKind.TIMEOUT
+
+
+class WorkerOOM(WorkerError, HarnessError):
+    """An allocation in the worker ran out of memory; the message has bytes asked and free."""
+
+    kind = ErrorKind.OOM
 
 
 class WorkerCommandError(WorkerError):
-    """The command raised inside the worker; the message carries the child's traceback."""
+    """The command raised inside the worker; the message carries the child's traceback.
+
+    Not a harness error: the code under test refused (a clause check decides).
+    """
 
 
 def active_fault() -> str | None:
@@ -175,12 +213,19 @@ class WorkerHandle:
         self.stderr_path = os.path.join(workdir, f"worker-{label}-{key[1]}.log")
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_conn = ctx.Pipe(duplex=True)
+        # The parent holds the lifeline's only write end: EOF in the child = parent gone.
+        lifeline, self._lifeline = ctx.Pipe(duplex=False)
+        # A parent-death signal fires when the spawning *thread* exits: arm it only
+        # for workers started from the main thread (the watchdog covers the rest).
+        on_main = threading.current_thread() is threading.main_thread()
         self.process = ctx.Process(
             target=_worker_main,
-            args=(child_conn, self.device, self.stderr_path, tuple(preload), self.gpu_id),
+            args=(child_conn, self.device, self.stderr_path, tuple(preload), self.gpu_id,
+                  (os.getpid(), lifeline, on_main)),
             name=f"kvconform-worker-{label}-{key[1]}", daemon=True)
         self.process.start()
         child_conn.close()
+        lifeline.close()
         self.ready = False
         self.info: dict[str, Any] = {}
 
@@ -199,7 +244,7 @@ class WorkerHandle:
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> dict[str, Any]:
         if not self.ready:
-            self.info = self._receive("start-up", timeout)
+            self.info = self._receive("start-up", timeout, budgeted=False)
             self.ready = True
         return self.info
 
@@ -211,20 +256,31 @@ class WorkerHandle:
         except (BrokenPipeError, EOFError, OSError):
             raise self._died(f"while sending {message['cmd']!r}") from None
 
-    def receive(self, what: str, timeout: float = COMMAND_TIMEOUT_S) -> Any:
-        return self._receive(what, timeout)
+    def receive(self, what: str, timeout: float | None = None) -> Any:
+        """The answer to ``what``, within ``timeout`` (default: the budget, else
+        ``COMMAND_TIMEOUT_S``)."""
+        return self._receive(what, budget.bound(COMMAND_TIMEOUT_S) if timeout is None
+                             else timeout)
 
-    def request(self, cmd: str, timeout: float = COMMAND_TIMEOUT_S, **fields: Any) -> Any:
+    def request(self, cmd: str, timeout: float | None = None, **fields: Any) -> Any:
         self.send({"cmd": cmd, **fields})
         return self.receive(cmd, timeout)
 
-    def _receive(self, what: str, timeout: float) -> Any:
-        ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], timeout)
-        if self.conn in ready:
-            try:
-                reply = self.conn.recv()
-            except (EOFError, OSError):
-                raise self._died(f"during {what!r}") from None
+    def _receive(self, what: str, timeout: float, budgeted: bool = True) -> Any:
+        try:
+            ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], timeout)
+            reply = self.conn.recv() if self.conn in ready else None
+        except (EOFError, OSError):
+            raise self._died(f"during {what!r}") from None
+        except BaseException:  # interrupted (Ctrl-C): its reply would come to the next request
+            self.kill()
+            raise
+        if reply is not None:
+            if reply.get("oom"):
+                oom = reply["oom"]
+                raise WorkerOOM(f"{self!r}: {what!r} ran out of memory on {self.device}: asked "
+                                f"for {oom['asked']} bytes, {oom['free']} bytes free "
+                                f"({reply.get('error')}); the worker dropped its allocation")
             if not reply.get("ok"):
                 raise WorkerCommandError(
                     f"{self!r}: {what!r} raised {reply.get('error')}\n"
@@ -232,13 +288,21 @@ class WorkerHandle:
             return reply.get("result")
         if not ready:
             self.kill()
-            raise WorkerError(f"{self!r} did not answer {what!r} within {timeout:.0f}s and was "
-                              f"killed\n--- worker stderr (tail) ---\n{self.stderr_tail()}")
+            limit = budget.describe(timeout) if budgeted else f"{timeout:.1f}s"
+            raise WorkerTimeout(f"{self!r} did not answer {what!r} within {limit} and was "
+                                f"killed (the pool replaces "
+                                f"it)\n--- worker stderr (tail) ---\n{self.stderr_tail()}")
         raise self._died(f"during {what!r}")
 
     def _died(self, when: str) -> WorkerDied:
         self.process.join(5)
-        return WorkerDied(f"{self!r} died {when} (exit code {self.process.exitcode})\n"
+        code = self.process.exitcode
+        how = f"exit code {code}"
+        if code is not None and code < 0:
+            how += f", killed by {signal.Signals(-code).name}"
+            if code == -signal.SIGKILL:
+                how += " (the kernel's OOM killer, or someone else)"
+        return WorkerDied(f"{self!r} died {when} ({how})\n"
                           f"--- worker stderr (tail) ---\n{self.stderr_tail()}")
 
     def stderr_tail(self, chars: int = _STDERR_TAIL_CHARS) -> str:
@@ -297,6 +361,7 @@ class WorkerHandle:
             self.process.join(timeout)
         self.kill()
         self.conn.close()
+        self._lifeline.close()
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -418,6 +483,23 @@ def close_pool() -> None:
 atexit.register(close_pool)
 
 
+def kill_all() -> None:
+    """SIGKILL every pooled worker at once, without waiting: for a process about to vanish."""
+    for handle in list(_pool.workers.values()) if _pool is not None else []:
+        if handle.pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(handle.pid, signal.SIGKILL)
+
+
+def exit_with_parent() -> None:
+    """In an xdist worker: exit (killing our workers) once the controller is gone.
+
+    An xdist worker busy in a test does not notice its controller's death by
+    itself; this watchdog does, within ``lifetime.POLL_S``.
+    """
+    lifetime.watch_parent(os.getppid(), on_orphan=kill_all)
+
+
 class KvWorkers:
     """``kv_workers(n)``: n pooled worker processes, one per device, rank order.
 
@@ -461,9 +543,23 @@ def process_identity() -> dict[str, Any]:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
+def _tie_to_parent(parent: tuple[int, Any, bool]) -> None:
+    """Never outlive the parent; leave Ctrl-C to it; say who we are (``$PIDDIR_ENV``)."""
+    parent_pid, lifeline, death_signal = parent
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    lifetime.tie_to_parent(parent_pid, lifeline, death_signal=death_signal)
+    piddir = os.environ.get(PIDDIR_ENV)
+    if piddir:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(piddir, f"{os.getpid()}.worker"), "w") as f:
+                f.write(f"{parent_pid}\n")
+
+
 def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str],
-                 gpu_id: str | None = None) -> None:
+                 gpu_id: str | None = None, parent: tuple[int, Any, bool] | None = None) -> None:
     """Entry point of a spawned worker: pin its GPU, redirect output, import, answer."""
+    if parent is not None:  # first, so that not even the imports outlive the parent
+        _tie_to_parent(parent)
     if gpu_id is not None:  # first, before anything can import torch or touch CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu_id
     import faulthandler
@@ -500,6 +596,10 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
             return
         try:
             reply = {"ok": True, "result": state.handle(message)}
+        except _OutOfMemory as exc:
+            state.release()  # recover: the next command starts from a clean device
+            reply = {"ok": False, "oom": {"asked": exc.asked, "free": exc.free},
+                     "error": f"{type(exc.error).__name__}: {exc.error}"}
         except Exception as exc:
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc()}
@@ -518,6 +618,55 @@ def _load_plugins() -> dict[str, Any]:
 
 def _error(exc: BaseException) -> dict[str, str]:
     return {"type": type(exc).__name__, "message": str(exc)}
+
+
+class _OutOfMemory(Exception):
+    """An allocation failed for want of memory: answered as ``oom``, not as a command error."""
+
+    def __init__(self, asked: int, free: int | None, error: BaseException) -> None:
+        super().__init__(f"asked for {asked} bytes, {free} free")
+        self.asked, self.free, self.error = asked, free, error
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's CUDA / CPU allocator failures and MemoryError, told apart from other errors."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "can't allocate memory" in text
+
+
+def free_bytes(device: str) -> int | None:
+    """Free memory where ``device`` allocates: the GPU's, or the host's available memory."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def _seeded_process_fault(fault: str | None) -> None:
+    """The ``hang`` and ``die`` faults, mid-command (``oom`` is seeded at the allocation)."""
+    if fault == "hang":
+        piddir = os.environ.get(PIDDIR_ENV)
+        if piddir:
+            with contextlib.suppress(OSError):
+                open(os.path.join(piddir, f"{os.getpid()}.hang"), "w").close()
+        while True:
+            time.sleep(3600)
+    if fault == "die":
+        os.write(2, b"kvconform: seeded fault 'die': SIGKILL mid-command\n")
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _WorkerState:
@@ -566,6 +715,7 @@ class _WorkerState:
         from pytest_kvconform import compat
 
         self.release()
+        _seeded_process_fault(message.get("fault"))
         rpc = compat.executor_wire_decode(message["frames"])
         configs, max_model_len = rpc["args"]
         rank = message["rank"]
@@ -593,9 +743,17 @@ class _WorkerState:
             except Exception as exc:
                 report["adopt_error"] = _error(exc)
                 return report
+        asked = sum(int(t.size) for t in config.kv_cache_tensors)
         try:
+            if message.get("fault") == "oom":  # a real allocator failure, far past any host
+                import torch
+
+                asked *= OOM_FAULT_FACTOR
+                torch.empty(asked, dtype=torch.uint8, device=self.device)
             views = compat.init_kv_cache(vllm_config, config, self.device)
         except Exception as exc:
+            if is_out_of_memory(exc):
+                raise _OutOfMemory(asked, free_bytes(self.device), exc) from exc
             report["init_error"] = _error(exc)
             return report
         report["layout_after"] = vllm_config.cache_config.kv_cache_layout

@@ -4,10 +4,16 @@ Each check runs the production control plane (``control_plane.py``) for a
 backend's declared need, or for an explicit need through the seam, sends the
 rank-local configs to spawned workers (``workers.py``) serialised the way the
 executor sends them, and compares what the workers did with the oracle.
+
+A worker that dies, times out or runs out of memory is the harness's fault, not
+the backend's: it stays a :class:`HarnessError` (with the clause, backend and case
+added to its message), never a ClauseFailure.  Only a command that raised inside
+the worker (the code under test refused) fails the clause.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import zlib
@@ -17,7 +23,7 @@ from typing import Any
 
 from pytest_kvconform import compat, oracle
 from pytest_kvconform.checks.common import declared_need
-from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind
+from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, HarnessError, SkipKind
 from pytest_kvconform.checks.geometry import geometry_for
 from pytest_kvconform.control_plane import ControlPlane, build_control_plane
 from pytest_kvconform.model import BackendUnderTest, Case
@@ -48,6 +54,13 @@ class _Run:
              actual: object = None) -> ClauseFailure:
         return ClauseFailure(self.clause, detail, backend=self.backend, case=self.case.id,
                              layout=layout, expected=expected, actual=actual)
+
+    def harness(self, exc: HarnessError, doing: str) -> HarnessError:
+        """``exc`` (same class and kind) with the clause, backend, case and step named."""
+        error = copy.copy(exc)
+        error.args = (f"{self.clause} [backend={self.backend}, case={self.case.id}]: "
+                      f"harness error ({exc.kind.value}) while {doing}: {exc}",)
+        return error
 
 
 def _run(clause: str, source: Source, case: Case) -> _Run:
@@ -80,6 +93,8 @@ def _adopt(run: _Run, cp: ControlPlane, handles: Sequence[WorkerHandle],
     frames, _wire = compat.executor_wire_encode(cp.rpc_message())
     try:
         return broadcast_adopt(handles, frames, need=run.need, **options)
+    except HarnessError as exc:
+        raise run.harness(exc, "waiting for the workers to adopt and allocate") from exc
     except WorkerError as exc:
         raise run.fail(f"worker process failed: {exc}", layout=cp.pinned) from exc
 
@@ -365,6 +380,9 @@ def _verify_pattern(run: _Run, cp: ControlPlane, rank: int, handle: WorkerHandle
     try:
         handle.write_pattern(pages, rank=rank)
         blobs = handle.read_back(regions)
+    except HarnessError as exc:
+        raise run.harness(exc, f"waiting for rank {rank} to write and read back the "
+                          "pattern") from exc
     except WorkerError as exc:
         raise run.fail(f"rank {rank}: worker process failed: {exc}", layout=layout) from exc
     for (start, length), blob in zip(regions, blobs, strict=True):
@@ -457,6 +475,8 @@ def check_kv_a6(source: Source, case: Case, device: str, workers: Callable[[], W
     handles = _ranks(run, workers())
     try:
         free = [h.free_memory() or 0 for h in handles]
+    except HarnessError as exc:
+        raise run.harness(exc, "waiting for the workers' free memory") from exc
     except WorkerError as exc:
         raise run.fail(f"worker process failed: {exc}") from exc
     budget = [int(f * memory_fraction) for f in free]
@@ -467,8 +487,8 @@ def check_kv_a6(source: Source, case: Case, device: str, workers: Callable[[], W
         raise ClauseSkip(run.clause, f"needs CUDA memory: {memory_fraction} of {free[0]} free "
                          f"bytes gives a {size}-byte allocation, not past 2^32",
                          SkipKind.HARDWARE)
-    reports = _adopt(run, cp, handles)
     try:
+        reports = _adopt(run, cp, handles)
         _adopted_ok(run, cp, reports)
         for rank, (handle, report) in enumerate(zip(handles, reports, strict=True)):
             _on_device(run, cp, rank, handle.device, report)
@@ -478,9 +498,16 @@ def check_kv_a6(source: Source, case: Case, device: str, workers: Callable[[], W
             pages = _far_pages(layout, geom, _expected_offset(run, f"rank {rank}", tensor,
                                                               layout))
             _verify_pattern(run, cp, rank, handle, report, pages)
-    finally:
-        for handle in handles:
-            handle.release()
+    except BaseException:
+        for handle in handles:  # must not mask the error; a dead worker holds nothing
+            if handle.alive:
+                try:
+                    handle.release()
+                except HarnessError:
+                    pass
+        raise
+    for handle in handles:
+        handle.release()
 
 
 def _far_pages(layout: str, geom: oracle.Geometry, offset: int) -> list[tuple[int, int]]:

@@ -6,7 +6,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind
+from pytest_kvconform import budget
+from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, HarnessError, SkipKind
 from pytest_kvconform.model import BackendUnderTest
 
 
@@ -32,7 +33,9 @@ def declared_need(clause: str, backend: BackendUnderTest) -> bool:
         raise ClauseFailure(clause, "backend declares no callable indexes_kv_by_block_stride(); "
                             "its layout need is unknown (see KV-L1)", backend=backend.name)
     try:
-        value = method()
+        value = call_declaration(clause, backend.name, method)
+    except HarnessError:
+        raise
     except Exception as exc:
         raise ClauseFailure(clause, f"indexes_kv_by_block_stride() raised {exc!r} (see KV-L1)",
                             backend=backend.name) from exc
@@ -40,6 +43,19 @@ def declared_need(clause: str, backend: BackendUnderTest) -> bool:
         raise ClauseFailure(clause, f"indexes_kv_by_block_stride() returned {value!r} of type "
                             f"{type(value).__name__}, not bool (see KV-L1)", backend=backend.name)
     return value
+
+
+def call_declaration(clause: str, backend: str, method: Any) -> Any:
+    """``method()`` (a backend's layout declaration) bounded by the per-test budget.
+
+    A declaration that blocks becomes a timeout error naming the clause, the
+    backend and the call, not a hung run.
+    """
+    try:
+        return budget.call(method, f"{backend}.indexes_kv_by_block_stride() (the backend's "
+                           "layout declaration)")
+    except budget.WaitTimeout as exc:
+        raise budget.WaitTimeout(f"{clause} [backend={backend}]: {exc}") from None
 
 
 @contextlib.contextmanager

@@ -8,8 +8,13 @@ from functools import partial
 from typing import Any
 
 from pytest_kvconform import compat, oracle
-from pytest_kvconform.checks.common import backend_class, cuda_init_recorder, declared_need
-from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind
+from pytest_kvconform.checks.common import (
+    backend_class,
+    call_declaration,
+    cuda_init_recorder,
+    declared_need,
+)
+from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, HarnessError, SkipKind
 from pytest_kvconform.control_plane import default_memory, run_production_control_plane
 from pytest_kvconform.model import BackendUnderTest, Case, declaring
 
@@ -33,7 +38,9 @@ def check_kv_l1(backend: BackendUnderTest) -> None:
     with cuda_init_recorder() as cuda_calls:
         for _ in range(_CALLS):
             try:
-                answers.append(method())
+                answers.append(call_declaration(clause, backend.name, method))
+            except HarnessError:
+                raise
             except Exception as exc:  # judged below, after the device question
                 error = exc
                 break

@@ -1,5 +1,9 @@
 """Run one clause check under pytest: a ClauseSkip becomes a reported skip, a harness
-fault an error of its kind (see ``faults.py``)."""
+fault an error of its kind (see ``faults.py``).
+
+The check runs inside the per-test budget (``--kv-timeout``): every wait in it is
+bounded by what is left (``budget.py``).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvconform import budget
 from pytest_kvconform.checks.errors import ClauseSkip
 from pytest_kvconform.faults import ERROR_KIND_PROPERTY, harness_kind
 from pytest_kvconform.model import SKIP_KIND_PROPERTY
@@ -17,8 +22,11 @@ def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args:
               **kwargs: Any) -> None:
     """Call ``check``; skips keep their kind on user_properties for strict mode, and so do
     harness faults (the session reports them as status ``error``, never as failures)."""
+    from pytest_kvconform.plugin import kv_session
+
     try:
-        check(*args, **kwargs)
+        with budget.per_test(kv_session(request.config).options.timeout):
+            check(*args, **kwargs)
     except ClauseSkip as skip:
         request.node.user_properties.append((SKIP_KIND_PROPERTY, skip.kind.value))
         # Reported at the test, not at this helper.

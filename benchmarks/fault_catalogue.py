@@ -1,0 +1,89 @@
+"""Run the process-fault catalogue N times; record exit codes, reports and leaked processes.
+
+Run in the default environment, from the repository root:
+
+    PYTHONPATH=. python benchmarks/fault_catalogue.py [--reps 20] [--only NAME ...] [-o FILE]
+
+Each repetition runs every scenario of ``tests/faultkit.py`` (the same ones
+tests/test_faults_process.py asserts on) in a fresh ``pytest --kv-conformance``
+process: worker faults (hang, die, oom), a blocking declaration, Ctrl-C and
+SIGKILL of pytest, serially and of an xdist controller.  A leak is any PID of
+the run (KV-A workers by their PID files, every descendant of pytest seen
+before a kill) still alive 5 s after the run ended; a missing report is a run
+that asked for one and has none that loads and validates.  Results are
+appended to benchmarks/RESULTS.md (or -o FILE).  No timed assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests import faultkit  # the repository root, put on the path above
+
+EXPECTED_RC = {"worker-faults": 1, "blocking-declaration": 1, "sigint-serial": 2,
+               "sigkill-serial": -9, "sigint-xdist": 2, "sigkill-xdist": -9}
+WANTS_REPORT = {"worker-faults", "blocking-declaration", "sigint-serial", "sigint-xdist"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--only", action="append", choices=sorted(faultkit.SCENARIOS),
+                        help="run only this scenario (repeatable)")
+    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("RESULTS.md")))
+    args = parser.parse_args()
+    names = args.only or list(faultkit.SCENARIOS)
+    stats = {n: {"runs": 0, "rc_ok": 0, "missing_reports": 0, "leaked": 0, "seconds": 0.0}
+             for n in names}
+    started = time.monotonic()
+    for rep in range(args.reps):
+        for name in names:
+            with tempfile.TemporaryDirectory(prefix=f"kvfault-{name}-") as tmp:
+                outcome = faultkit.SCENARIOS[name](Path(tmp))
+            s = stats[name]
+            s["runs"] += 1
+            s["rc_ok"] += outcome.returncode == EXPECTED_RC[name]
+            missing = name in WANTS_REPORT and (outcome.report is None or
+                                                outcome.report_error is not None)
+            s["missing_reports"] += missing
+            s["leaked"] += len(outcome.leaked)
+            s["seconds"] += outcome.seconds
+            print(f"rep {rep + 1}/{args.reps} {name}: rc {outcome.returncode} "
+                  f"report {'MISSING' if missing else 'ok'} leaked {sorted(outcome.leaked)} "
+                  f"workers {len(outcome.workers)} watched {len(outcome.watched)} "
+                  f"{outcome.seconds:.1f}s", flush=True)
+    total = time.monotonic() - started
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "", f"## {now} — fault catalogue, {args.reps} repetitions, {platform.node()}, "
+        f"{os.cpu_count()} cores", "",
+        f"`PYTHONPATH=. python benchmarks/fault_catalogue.py --reps {args.reps}"
+        + "".join(f" --only {n}" for n in args.only or []) + f"` ({total / 60:.1f} min)", "",
+        "| scenario | runs | expected exit status | missing reports | leaked processes "
+        "| mean s |", "|---|---|---|---|---|---|",
+    ]
+    for name, s in stats.items():
+        lines.append(f"| {name} | {s['runs']} | {s['rc_ok']}/{s['runs']} "
+                     f"(rc {EXPECTED_RC[name]}) | "
+                     f"{s['missing_reports'] if name in WANTS_REPORT else 'n/a (none asked)'} "
+                     f"| {s['leaked']} | {s['seconds'] / max(1, s['runs']):.1f} |")
+    text = "\n".join(lines) + "\n"
+    with open(args.output, "a", encoding="utf-8") as f:
+        f.write(text)
+    print(text)
+    bad = any(s["leaked"] or s["missing_reports"] or s["rc_ok"] != s["runs"]
+              for s in stats.values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""The per-test time budget (``--kv-timeout``) and waits bounded by it.
+
+Stdlib only.  A front-end opens a budget around one clause check
+(:func:`per_test`); every wait inside the check (a worker's answer, a backend's
+declaration call) is bounded by what is left of it (:func:`bound`).  Outside a
+budget (a check called directly), each wait falls back to its own default, so no
+wait is ever unbounded.  A wait that runs out raises a
+:class:`~pytest_kvconform.outcomes.HarnessError` of kind ``timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from pytest_kvconform.outcomes import ErrorKind, HarnessError
+
+DEFAULT_TIMEOUT_S = 300.0  # --kv-timeout's default, per test
+DECLARATION_TIMEOUT_S = 60.0  # a declaration call outside a budget
+T = TypeVar("T")
+
+_deadline: float | None = None
+_seconds: float | None = None
+
+
+@contextlib.contextmanager
+def per_test(seconds: float | None) -> Iterator[None]:
+    """Bound every wait inside the block by ``seconds`` in all (None: no budget)."""
+    global _deadline, _seconds
+    saved = _deadline, _seconds
+    _deadline = None if seconds is None else time.monotonic() + seconds
+    _seconds = seconds
+    try:
+        yield
+    finally:
+        _deadline, _seconds = saved
+
+
+def remaining() -> float | None:
+    """Seconds left of the current budget, or None outside one."""
+    if _deadline is None:
+        return None
+    return max(0.0, _deadline - time.monotonic())
+
+
+def bound(default: float) -> float:
+    """How long the next wait may take: what is left of the budget, else ``default``."""
+    left = remaining()
+    return default if left is None else left
+
+
+def describe(timeout: float) -> str:
+    """Which limit a wait of ``timeout`` seconds ran into, for messages."""
+    if _seconds is None:
+        return f"{timeout:.1f}s"
+    return f"{timeout:.1f}s (what was left of the per-test budget, --kv-timeout={_seconds:g})"
+
+
+class WaitTimeout(HarnessError):
+    """A bounded wait in the test process ran out (kind ``timeout``)."""
+
+    kind = ErrorKind.TIMEOUT
+
+
+class _Outcome:
+    value: Any = None
+    error: BaseException | None = None
+
+
+def call(fn: Callable[[], T], what: str, *, default: float = DECLARATION_TIMEOUT_S) -> T:
+    """``fn()`` in a daemon thread, waited for within the budget; a timeout if it blocks.
+
+    The thread cannot be stopped: a call that blocks forever keeps blocking in the
+    background (a daemon thread never holds up the process's exit), but the check
+    and the run go on.  ``what`` names what was waited for in the error.
+    """
+    timeout = bound(default)
+    outcome = _Outcome()
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.value = fn()
+        except BaseException as exc:  # handed back to the caller
+            outcome.error = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"kvconform-bounded-call: {what}", daemon=True).start()
+    if not done.wait(timeout):
+        raise WaitTimeout(f"timed out after {describe(timeout)} waiting for {what} to return")
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.value

@@ -1,0 +1,86 @@
+"""Tie a child process's life to its parent's: no process outlives the run that started it.
+
+Stdlib only.  Two mechanisms, because each alone has a gap:
+
+- ``PR_SET_PDEATHSIG`` (Linux, through ``prctl``): the kernel sends the child a signal
+  when its parent dies, however it dies (SIGKILL included).  It fires when the parent
+  *thread* that created the child exits, so it is only armed for children started
+  from the parent's main thread; and a parent that died before the child armed it
+  is caught by comparing ``getppid()`` with the expected parent right after.
+- a watchdog thread that notices the parent is gone: EOF on a lifeline pipe whose
+  only write end the parent holds, or a changed ``getppid()`` (the child was
+  re-parented).  It works on any POSIX host and covers the thread caveat above.
+
+``atexit`` alone is not enough: it never runs when the parent is killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+EXIT_ORPHANED = 70  # the exit code of a child whose parent went away
+POLL_S = 0.25
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` when the parent dies; False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _orphaned(on_orphan: Callable[[], None] | None) -> None:
+    if on_orphan is not None:
+        try:
+            on_orphan()
+        except BaseException:  # exiting regardless is the point
+            pass
+    os._exit(EXIT_ORPHANED)
+
+
+def watch_parent(parent_pid: int, lifeline: Any = None,
+                 on_orphan: Callable[[], None] | None = None) -> threading.Thread:
+    """Start a daemon thread that exits this process once ``parent_pid`` is gone.
+
+    ``lifeline`` is an optional read end of a ``multiprocessing`` pipe (the parent
+    keeps the only write end and never writes): EOF on it means the parent died.
+    ``on_orphan`` runs first (e.g. to kill this process's own children).
+    """
+
+    def watch() -> None:
+        while True:
+            if lifeline is not None:
+                try:
+                    if lifeline.poll(POLL_S):
+                        lifeline.recv_bytes()
+                except (EOFError, OSError):
+                    _orphaned(on_orphan)
+            else:
+                threading.Event().wait(POLL_S)
+            if os.getppid() != parent_pid:
+                _orphaned(on_orphan)
+
+    thread = threading.Thread(target=watch, name="kvconform-parent-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def tie_to_parent(parent_pid: int, lifeline: Any = None, *, death_signal: bool = True,
+                  on_orphan: Callable[[], None] | None = None) -> None:
+    """Both mechanisms, armed now; exits at once if the parent is already gone."""
+    if death_signal:
+        set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent_pid:  # died before the death signal was armed
+        _orphaned(on_orphan)
+    watch_parent(parent_pid, lifeline, on_orphan)

@@ -1,0 +1,285 @@
+"""Process-level fault scenarios, shared by tests/test_faults_process.py and
+benchmarks/fault_catalogue.py.
+
+Each scenario runs ``pytest --kv-conformance`` in a fresh process (its own
+session, so a Ctrl-C reaches its whole process group as a terminal's would),
+seeds one fault, and returns a :class:`Outcome`: the exit status, the output,
+the report (loaded and validated when one was asked for) and the PIDs that
+were still alive afterwards.  PIDs are known two ways: every KV-A worker writes
+``<pid>.worker`` into ``$KVCONFORM_WORKER_PIDDIR``, and before a kill the
+descendants of the pytest process are read from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pytest_kvconform import report as report_mod
+from pytest_kvconform.workers import PIDDIR_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+LEAK_GRACE_S = 5.0  # the issue's bound: nothing is left 5 s after a kill
+RUN_TIMEOUT_S = 600.0
+BASE_ARGS = ("--kv-conformance", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA")
+
+# Seeds a worker fault for the tests whose name contains a key (first match wins).
+FAULT_BY_TEST = '''
+import pytest
+
+FAULTS = {faults!r}
+
+
+@pytest.fixture(autouse=True)
+def _seeded_fault(request, monkeypatch):
+    for part, fault in FAULTS.items():
+        if part in request.node.name:
+            monkeypatch.setenv("KVCONFORM_WORKER_FAULT", fault)
+            break
+'''
+
+BLOCKING_BACKEND = '''
+import time
+
+
+class Blocking:
+    @classmethod
+    def indexes_kv_by_block_stride(cls):
+        time.sleep(300)  # a declaration that blocks for minutes
+        return False
+
+
+class Good:
+    @classmethod
+    def indexes_kv_by_block_stride(cls):
+        return False
+
+
+def pytest_kvconform_backends(config):
+    return {"BLOCKING": Blocking, "GOOD": Good}
+'''
+
+
+@dataclass
+class Outcome:
+    """What one scenario left behind."""
+
+    name: str
+    workdir: Path
+    returncode: int | None
+    output: str
+    seconds: float
+    report: dict[str, Any] | None = None
+    report_error: str | None = None
+    watched: set[int] = field(default_factory=set)
+    leaked: set[int] = field(default_factory=set)
+    workers: set[int] = field(default_factory=set)
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        """Report rows by test name (nodeid without the path)."""
+        rows = (self.report or {}).get("results", [])
+        return {r["nodeid"].rpartition("::")[2]: r for r in rows}
+
+
+# --- processes ---------------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, ppid) of a live PID from /proc, or None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rpartition(")")[2].split()
+    return fields[0], int(fields[1])
+
+
+def alive(pid: int) -> bool:
+    """Running or sleeping: a zombie (exited, not yet reaped) holds nothing and counts as gone."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (children, grandchildren, ...)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None and stat[0] not in ("Z", "X"):
+                parents[int(entry)] = stat[1]
+    found: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def wait_gone(pids: Iterable[int], timeout: float = LEAK_GRACE_S) -> set[int]:
+    """The PIDs still alive after ``timeout`` seconds (polled)."""
+    pending = set(pids)
+    deadline = time.monotonic() + timeout
+    while pending:
+        pending = {pid for pid in pending if alive(pid)}
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return pending
+
+
+def worker_pids(piddir: Path) -> set[int]:
+    return {int(p.stem) for p in piddir.glob("*.worker")}
+
+
+def kill_leftovers(pids: Iterable[int]) -> None:
+    """Clean up after a failed scenario so one leak does not poison the next."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+# --- running pytest --------------------------------------------------------------------
+
+
+def _env(piddir: Path, extra: dict[str, str] | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", "KVCONFORM_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env[PIDDIR_ENV] = str(piddir)
+    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    env.update(extra or {})
+    return env
+
+
+def _start(workdir: Path, args: Sequence[str], extra_env: dict[str, str] | None = None,
+           ) -> tuple[subprocess.Popen[str], Path]:
+    piddir = workdir / "pids"
+    piddir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", *BASE_ARGS, *args], cwd=workdir, text=True,
+        env=_env(piddir, extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    return proc, piddir
+
+
+def _finish(name: str, proc: subprocess.Popen[str], piddir: Path, started: float,
+            report: Path | None, watched: set[int], timeout: float = RUN_TIMEOUT_S,
+            ) -> Outcome:
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a hung run: the finding; clean up its group
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        output += f"\n[faultkit] run did not finish within {timeout:.0f}s; killed"
+    outcome = Outcome(name, piddir.parent, proc.returncode, output, time.monotonic() - started)
+    outcome.workers = worker_pids(piddir)
+    outcome.watched = watched | outcome.workers
+    outcome.leaked = wait_gone(outcome.watched)
+    kill_leftovers(outcome.leaked)
+    if report is not None:
+        try:
+            outcome.report = report_mod.load_report(report)
+            report_mod.validate_report(outcome.report)
+        except Exception as exc:  # recorded: the scenario's finding, asserted by the caller
+            outcome.report_error = f"{type(exc).__name__}: {exc}"
+    return outcome
+
+
+def _wait_for(piddir: Path, pattern: str, count: int, proc: subprocess.Popen[str],
+              timeout: float = RUN_TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(list(piddir.glob(pattern))) >= count:
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.2)
+    return False
+
+
+def conftest(workdir: Path, text: str) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "conftest.py").write_text(text)
+
+
+# --- the scenarios -----------------------------------------------------------------------
+
+# One run, three worker faults, each followed by a test that must pass on the pool.
+WORKER_FAULTS = {
+    "test_kv_a2[TORCH_SDPA-bf16_h8]": "hang",
+    "test_kv_a2_seam[need_True-bf16_h8]": "die",
+    "test_kv_a3_seam[need_False-bf16_h8]": "oom",
+}
+WORKER_FAULTS_SELECT = ("--kv-backend", "TORCH_SDPA", "-k", "(kv_a2 or kv_a3) and bf16_h8")
+
+
+def worker_faults(workdir: Path, timeout_s: float = 15.0) -> Outcome:
+    """hang, die and oom in KV-A workers: errors, and the run goes on."""
+    conftest(workdir, FAULT_BY_TEST.format(faults=WORKER_FAULTS))
+    started = time.monotonic()
+    proc, piddir = _start(workdir, [*WORKER_FAULTS_SELECT, "--kv-timeout", f"{timeout_s:g}",
+                                    "--kv-report", "r.json", "--junitxml", "j.xml"])
+    return _finish("worker faults (hang, die, oom)", proc, piddir, started,
+                   workdir / "r.json", set())
+
+
+def blocking_declaration(workdir: Path, timeout_s: float = 2.0) -> Outcome:
+    """A backend whose indexes_kv_by_block_stride() blocks for minutes."""
+    conftest(workdir, BLOCKING_BACKEND)
+    started = time.monotonic()
+    proc, piddir = _start(workdir, ["--kv-backend", "BLOCKING", "--kv-backend", "GOOD", "-k",
+                                    "kv_l1 or kv_l2", "--kv-timeout", f"{timeout_s:g}",
+                                    "--kv-report", "r.json", "--junitxml", "j.xml"])
+    return _finish("blocking declaration", proc, piddir, started, workdir / "r.json", set())
+
+
+def killed(workdir: Path, *, xdist: bool, sig: int) -> Outcome:
+    """Ctrl-C (SIGINT to the process group) or SIGKILL of pytest / the xdist controller,
+    while KV-A workers hang mid-command (and, with ``xdist``, two xdist workers live).
+
+    Before the hang, ``test_kv_a2[TORCH_SDPA-bf16_h8]`` finishes (serially), so an
+    interrupted run has a result to report.
+    """
+    hang = {"need_True": "hang"} if not xdist else {"seam": "hang"}
+    conftest(workdir, FAULT_BY_TEST.format(faults=hang))
+    args = ["--kv-backend", "TORCH_SDPA", "-k", "kv_a2 and bf16_h8", "--kv-timeout", "600"]
+    if xdist:
+        args += ["-n", "2"]
+    if sig == signal.SIGINT:
+        args += ["--kv-report", "r.json"]
+    started = time.monotonic()
+    proc, piddir = _start(workdir, args)
+    watched: set[int] = set()
+    if _wait_for(piddir, "*.hang", 2 if xdist else 1, proc):
+        time.sleep(0.5)
+        watched = descendants(proc.pid)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        else:
+            os.kill(proc.pid, signal.SIGKILL)
+    how = "Ctrl-C" if sig == signal.SIGINT else "SIGKILL"
+    outcome = _finish(f"{how} {'xdist controller' if xdist else 'pytest'}", proc, piddir,
+                      started, workdir / "r.json" if sig == signal.SIGINT else None, watched,
+                      timeout=120.0)
+    outcome.watched.add(proc.pid)
+    return outcome
+
+
+SCENARIOS = {
+    "worker-faults": worker_faults,
+    "blocking-declaration": blocking_declaration,
+    "sigint-serial": lambda d: killed(d, xdist=False, sig=signal.SIGINT),
+    "sigkill-serial": lambda d: killed(d, xdist=False, sig=signal.SIGKILL),
+    "sigint-xdist": lambda d: killed(d, xdist=True, sig=signal.SIGINT),
+    "sigkill-xdist": lambda d: killed(d, xdist=True, sig=signal.SIGKILL),
+}
