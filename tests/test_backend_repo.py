@@ -30,9 +30,9 @@ SOURCE_IGNORE = shutil.ignore_patterns(".git", ".tox", "__pycache__", "build", "
 OWN = ("pytest_kvconform", "conformance_cases", "__editable__")
 
 
-def _run(argv: list[str], cwd: Path, env: dict[str, str] | None = None,
-         timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+def _run(argv: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Without PYTHONPATH: a checkout on it would shadow (or fake-install) the wheel."""
+    return subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
                           timeout=timeout, check=False)
 
 
@@ -145,7 +145,7 @@ def test_packaged_data_comes_from_the_wheel(backend_repo: tuple[Path, Path]) -> 
         assert (pkg / "known" / "vllm_omni_0_30.toml").is_file()
         assert (pkg / "py.typed").is_file()
         print(len(cases.load_cases(())))
-    ''')], cwd=repo, env=_env())
+    ''')], cwd=repo)
     assert probe.returncode == 0, probe.stdout + probe.stderr
     package_dir, cases_dir, n_cases = probe.stdout.split()
     venv = python.parent.parent
@@ -162,7 +162,7 @@ def test_suite_runs_against_the_repos_backends(backend_repo: tuple[Path, Path]) 
     result = _run([str(python), "-m", "pytest", "--kv-conformance", "-p", "no:cacheprovider",
                    "--kv-backend", "MY_HOOK_ATTN", "--kv-backend", "MY_EP_ATTN",
                    "-k", "(kv_l1 or kv_l2 or kv_l6 or own) and not seam", "-v", "-rs", "tests"],
-                  cwd=repo, env=_env())
+                  cwd=repo)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     for test_id in ("test_kv_l1[MY_HOOK_ATTN] PASSED", "test_kv_l2[MY_EP_ATTN] PASSED",

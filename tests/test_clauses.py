@@ -126,8 +126,14 @@ def test_a_suite_test_outside_the_naming_scheme_is_detected() -> None:
 
 
 def _code_names(fn: types.FunctionType) -> set[str]:
-    """Names a test's body uses, through one level of module helper (``_a6``)."""
-    names = set(fn.__code__.co_names)
+    """Names a test's body uses, nested closures included, through one level of module
+    helper (``_a6``)."""
+    names: set[str] = set()
+    codes = [fn.__code__]
+    while codes:
+        code = codes.pop()
+        names |= set(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
     for name in list(names):
         helper = fn.__globals__.get(name)
         if inspect.isfunction(helper) and helper.__module__ == fn.__module__:
