@@ -242,7 +242,12 @@ class KvSession:
         if call.excinfo is None or not any(k == "kv_clause" for k, _ in item.user_properties):
             return report
         if call.when == "call":
+            # Anything in the test body, not only the check run_check wraps: a worker
+            # that cannot start for the test is the harness too.
             kind = dict(report.user_properties).get(ERROR_KIND_PROPERTY)
+            if kind is None and (found := harness_kind(call.excinfo.value)) is not None:
+                kind = found.value
+                report.user_properties.append((ERROR_KIND_PROPERTY, kind))
         else:  # a fixture of the suite's failed: always the harness, never the backend
             kind = (harness_kind(call.excinfo.value) or ErrorKind.HARNESS).value
             report.user_properties = [(k, v) for k, v in report.user_properties

@@ -592,3 +592,37 @@ def test_kvconform_run_keeps_the_report_where_asked_or_says_none(
     assert "report written to" not in out
     assert sorted(p.name for p in pytester.path.iterdir() if p.suffix in (".json", ".md")) == [
         "kept.json", "kept.md"]
+
+
+# The worker for the test cannot even start: raised in the test body, before run_check.
+WORKER_NO_START = '''
+
+import pytest_kvconform.workers as _workers
+
+_FOR_WORLD_SIZE = _workers.KvWorkers.for_world_size
+
+
+def _no_start(self, n):
+    raise _workers.WorkerTimeout("seeded: worker cpu#0 did not answer 'start-up' within 1s")
+
+
+def pytest_configure(config):
+    _workers.KvWorkers.for_world_size = _no_start
+
+
+def pytest_unconfigure(config):
+    _workers.KvWorkers.for_world_size = _FOR_WORLD_SIZE
+'''
+
+
+@needs_omni
+def test_worker_that_cannot_start_is_an_error_not_a_failure(pytester: pytest.Pytester,
+                                                            kv_run: Any) -> None:
+    pytester.makeconftest(STAND_INS + WORKER_NO_START)
+    result = kv_run("-k", "test_kv_a2_seam and need_False and bf16_h8", "--kv-report", "r.json")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    _summary_printed(result)
+    result.stdout.fnmatch_lines(["need_False *E", "*harness error(s) (timeout)*"])
+    (row_,) = json.loads((pytester.path / "r.json").read_text())["results"]
+    assert (row_["status"], row_["error_kind"], row_["clause"]) == ("error", "timeout", "KV-A2")
+    assert "did not answer 'start-up'" in row_["reason"]

@@ -14,14 +14,16 @@ import pytest
 
 from pytest_kvconform import budget
 from pytest_kvconform.checks.errors import ClauseSkip
-from pytest_kvconform.faults import ERROR_KIND_PROPERTY, harness_kind
 from pytest_kvconform.model import SKIP_KIND_PROPERTY
 
 
 def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args: Any,
               **kwargs: Any) -> None:
-    """Call ``check``; skips keep their kind on user_properties for strict mode, and so do
-    harness faults (the session reports them as status ``error``, never as failures)."""
+    """Call ``check``; skips keep their kind on user_properties for strict mode.
+
+    Harness faults escaping the test body are classified by the session's
+    ``pytest_runtest_makereport`` (status ``error`` with their kind, never a failure).
+    """
     from pytest_kvconform.plugin import kv_session
 
     try:
@@ -32,8 +34,3 @@ def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args:
         # Reported at the test, not at this helper.
         raise pytest.skip.Exception(f"{skip.clause}: {skip.reason}", _use_item_location=True)\
             from None
-    except Exception as exc:
-        kind = harness_kind(exc)
-        if kind is not None:
-            request.node.user_properties.append((ERROR_KIND_PROPERTY, kind.value))
-        raise
