@@ -17,8 +17,9 @@ Results alone (:func:`compute_verdict`):
 * non-strict: qualified iff at least one result ran and none failed or errored
   (an xpass or a skip does not disqualify);
 * strict (``--kv-strict``): additionally every xpass disqualifies, and every
-  skip unless its kind is ``hardware`` or ``not-applicable`` or an xfails entry
-  declares it (``xfail`` on the result).
+  skip unless the clause table forgives its kind for its clause
+  (:func:`pytest_kvconform.clauses.skip_forgiven`) or an xfails entry declares it
+  (``xfail`` on the result).
 
 The report's verdict (:func:`judge`) also needs the whole matrix to have run: the
 ``selection`` record (``-k``, ``-m``, narrowed paths, backends left out by
@@ -48,14 +49,15 @@ from enum import Enum
 from pathlib import Path, PurePath
 from typing import Any
 
-from pytest_kvconform import CONTRACT_VERSION
-from pytest_kvconform.clauses import FAMILY_ORDER
-from pytest_kvconform.model import CLAUSE_RE, installed_version
+from pytest_kvconform import CONTRACT_VERSION, clauses
+from pytest_kvconform.clauses import CLAUSE_RE, clause_sort_key, skip_forgiven
+from pytest_kvconform.model import installed_version
+from pytest_kvconform.outcomes import ErrorKind, SkipKind
 
 SCHEMA = "pytest-kvconform/report/1"
 STATUSES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
-SKIP_KINDS = ("hardware", "environment", "backend", "not-applicable")
-ERROR_KINDS = ("worker-died", "timeout", "oom", "harness")  # outcomes.ErrorKind values
+SKIP_KINDS = tuple(k.value for k in SkipKind)
+ERROR_KINDS = tuple(k.value for k in ErrorKind)
 VERDICTS = ("qualified", "not qualified", "partial", "interrupted")
 UPSTREAM_ROW = "(upstream)"
 
@@ -77,7 +79,6 @@ _CELL_CHAR = {
     "xpassed": "X",
     "error": "E",
 }
-_CLAUSE_FAMILY_ORDER = FAMILY_ORDER  # the contract's section order
 _NVIDIA_SMI_TIMEOUT_S = 5.0
 
 _TOP_KEYS = (
@@ -189,21 +190,13 @@ def _host_memory_bytes() -> int | None:
 # --------------------------------------------------------------------------- build + verdict
 
 
-def clause_sort_key(clause: str) -> tuple[int, int, str]:
-    """Contract order: L, S, N, A families, then by number (KV-L2 before KV-L10)."""
-    m = re.match(r"^KV-([A-Z])([0-9]+)$", clause)
-    if m is None:
-        return (len(_CLAUSE_FAMILY_ORDER) + 1, 0, clause)
-    family = _CLAUSE_FAMILY_ORDER.find(m.group(1))
-    return (family if family >= 0 else len(_CLAUSE_FAMILY_ORDER), int(m.group(2)), clause)
-
-
 def _result_sort_key(result: Mapping[str, Any]) -> tuple[str, ...]:
     keys = ("nodeid", "backend", "clause", "case", "layout")
     return tuple(str(result.get(k) or "") for k in keys)
 
 
-FORGIVEN_SKIP_KINDS = ("hardware", "not-applicable")
+# Every kind some clause forgives (the table says which clause forgives which).
+FORGIVEN_SKIP_KINDS = tuple(sorted(k.value for k in clauses.FORGIVEN_SKIP_KINDS))
 
 
 def _blocks(result: Mapping[str, Any], strict: bool) -> bool:
@@ -214,9 +207,11 @@ def _blocks(result: Mapping[str, Any], strict: bool) -> bool:
         return False
     if status == "xpassed":
         return True
-    # Forgiven in strict mode: missing hardware, a clause that does not apply to
-    # the backend, and a skip the expected-failures file declares (``xfail``).
-    return (status == "skipped" and result.get("skip_kind") not in FORGIVEN_SKIP_KINDS
+    # Forgiven in strict mode: a skip the clause table forgives for its clause
+    # (missing hardware, a clause that does not apply), and a skip the
+    # expected-failures file declares (``xfail``).
+    return (status == "skipped"
+            and not skip_forgiven(str(result.get("clause")), result.get("skip_kind"))
             and not result.get("xfail"))
 
 
