@@ -40,9 +40,7 @@ import math
 import os
 import platform
 import re
-import shutil
 import socket
-import subprocess
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
@@ -51,6 +49,7 @@ from typing import Any
 
 from pytest_kvconform import CONTRACT_VERSION, clauses
 from pytest_kvconform.clauses import CLAUSE_RE, clause_sort_key, skip_forgiven
+from pytest_kvconform.devices import nvidia_smi
 from pytest_kvconform.model import installed_version
 from pytest_kvconform.outcomes import ErrorKind, SkipKind
 
@@ -79,7 +78,6 @@ _CELL_CHAR = {
     "xpassed": "X",
     "error": "E",
 }
-_NVIDIA_SMI_TIMEOUT_S = 5.0
 
 _TOP_KEYS = (
     "schema", "contract", "run", "environment", "selection", "backends", "results", "summary",
@@ -146,14 +144,11 @@ def _probe_devices() -> list[dict[str, Any]]:
 
 def _nvidia_gpus() -> list[dict[str, Any]]:
     """GPUs as ``nvidia-smi`` lists them; empty when it is absent, fails or hangs."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
-    query = [exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"]
-    listing = _run_quiet(query)
+    listing = nvidia_smi("--query-gpu=name,memory.total,driver_version",
+                         "--format=csv,noheader,nounits")
     if listing is None:
         return []
-    header = _run_quiet([exe]) or ""
+    header = nvidia_smi() or ""
     m = re.search(r"CUDA Version:\s*([0-9.]+)", header)
     cuda = m.group(1) if m else None
     gpus = []
@@ -168,16 +163,6 @@ def _nvidia_gpus() -> list[dict[str, Any]]:
             memory = None
         gpus.append({"name": name, "memory_bytes": memory, "driver": driver or None, "cuda": cuda})
     return gpus
-
-
-def _run_quiet(argv: list[str]) -> str | None:
-    try:
-        proc = subprocess.run(
-            argv, capture_output=True, text=True, timeout=_NVIDIA_SMI_TIMEOUT_S, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout if proc.returncode == 0 else None
 
 
 def _host_memory_bytes() -> int | None:
