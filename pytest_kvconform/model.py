@@ -13,6 +13,22 @@ from typing import Any
 from pytest_kvconform.clauses import CLAUSE_RE as CLAUSE_RE  # re-exported: one grammar
 from pytest_kvconform.clauses import clause_from_test_name as clause_from_test_name
 
+# Bytes per element by dtype name: the one table (the oracle's sizes, the case files' dtypes).
+DTYPE_SIZES: dict[str, int] = {
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float8_e4m3fn": 1,
+    "fp8": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
 # user_properties key carrying a ClauseSkip's kind from the test to the report.
 SKIP_KIND_PROPERTY = "kv_skip_kind"
 
