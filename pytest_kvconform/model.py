@@ -62,6 +62,12 @@ class BackendUnderTest:
     def importable(self) -> bool:
         return self.cls is not None
 
+    def record(self) -> dict[str, Any]:
+        """The backend as the report and the terminal matrix hold it (JSON values)."""
+        return {"name": self.name, "path": self.path, "source": self.source,
+                "overridden": bool(self.overridden), "importable": self.importable,
+                "reason": self.error, "origin": self.origin}
+
 
 @dataclass(frozen=True)
 class Case:

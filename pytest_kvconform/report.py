@@ -398,16 +398,9 @@ def _normalise_result(result: Mapping[str, Any]) -> dict[str, Any]:
 def _backend_record(backend: Any) -> dict[str, Any]:
     if isinstance(backend, Mapping):
         return _jsonable(dict(backend))
-    record = {
-        "name": backend.name,
-        "path": backend.path,
-        "source": backend.source,
-        "overridden": bool(backend.overridden),
-        "importable": bool(backend.importable),
-        "reason": backend.error,
-    }
-    if getattr(backend, "origin", None) is not None:
-        record["origin"] = backend.origin
+    record: dict[str, Any] = backend.record()
+    if record["origin"] is None:  # optional: only plugin-provided backends name one
+        del record["origin"]
     return record
 
 

@@ -447,3 +447,12 @@ def test_environment_probe_is_the_device_probe() -> None:
     """One nvidia-smi probe (and one timeout) for device counting and the report."""
     assert rp.nvidia_smi is dev.nvidia_smi
     assert not hasattr(rp, "_run_quiet")
+
+
+def test_backend_record_is_written_once() -> None:
+    """The report's backend records and the session's come from BackendUnderTest.record()."""
+    b = BackendUnderTest("X", "pkg.X", "registry", error="boom")
+    assert tuple(b.record()) == (*rp._BACKEND_KEYS, *rp._BACKEND_OPTIONAL_KEYS)
+    assert rp._backend_record(b) == {k: v for k, v in b.record().items() if k != "origin"}
+    with_origin = BackendUnderTest("Y", "pkg.Y", "platform", origin="dist:ep")
+    assert rp._backend_record(with_origin) == with_origin.record()
