@@ -94,24 +94,3 @@ class Case:
         if self.expected_usable_blocks is not None:
             return self.expected_usable_blocks
         return self.num_pages - 1
-
-
-class DeclaresLayerStride:
-    """A stand-in backend that needs LBNHC, for the control plane's explicit seam."""
-
-    @classmethod
-    def indexes_kv_by_block_stride(cls) -> bool:
-        return False
-
-
-class DeclaresBlockStride:
-    """A stand-in backend that needs a block-outermost layout; no in-tree backend does yet."""
-
-    @classmethod
-    def indexes_kv_by_block_stride(cls) -> bool:
-        return True
-
-
-def declaring(need: bool) -> type:
-    """The stand-in backend class declaring ``need`` (importable by its path)."""
-    return DeclaresBlockStride if need else DeclaresLayerStride

@@ -18,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pytest_kvconform"
 # Bottom first.  A module may import modules of its own layer or of a layer below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("outcomes", ("pytest_kvconform", "outcomes", "model", "clauses", "cases", "budget",
-                  "faults", "options", "hookspecs", "lifetime", "devices", "checks.errors")),
+                  "faults", "options", "hookspecs", "lifetime", "devices", "standins",
+                  "checks.errors")),
     ("oracle", ("oracle",)),
     ("adapters", ("compat", "control_plane", "paged_drivers", "discovery", "omni_plugins",
                   "workers")),

@@ -23,7 +23,8 @@ from pytest_kvconform.checks.errors import (
     Unsupported,
 )
 from pytest_kvconform.control_plane import default_memory, run_production_control_plane
-from pytest_kvconform.model import BackendUnderTest, Case, declaring
+from pytest_kvconform.model import BackendUnderTest, Case
+from pytest_kvconform.standins import declaring
 
 DEFAULT_LAYOUT = "LBNHC"
 _CALLS = 3
