@@ -32,7 +32,14 @@ from typing import Any, Literal
 from pytest_kvconform import budget
 from pytest_kvconform import clauses as clauses_mod
 from pytest_kvconform.model import BackendUnderTest, Case
-from pytest_kvconform.outcomes import ClauseFailure, ClauseSkip, ErrorKind, HarnessError, SkipKind
+from pytest_kvconform.outcomes import (
+    ClauseFailure,
+    ClauseSkip,
+    ErrorKind,
+    HarnessError,
+    SkipKind,
+    Unsupported,
+)
 
 Status = Literal["passed", "failed", "skipped", "error"]
 STATUSES: tuple[Status, ...] = ("passed", "failed", "skipped", "error")
@@ -323,7 +330,8 @@ def _execute(run: _Run, device: str, kv_workers: Any, memory_fraction: float) ->
         check = run.check.resolve()
         with budget.per_test(budget.DEFAULT_TIMEOUT_S):  # as --kv-timeout bounds a test
             check(*_arguments(run, device, kv_workers, memory_fraction))
-    except ClauseSkip as skip:
+    except (ClauseSkip, Unsupported) as exc:  # an adapter's absence: the running clause's skip
+        skip = exc if isinstance(exc, ClauseSkip) else exc.skip(run.clause.id)
         status: Status = "skipped"
         message = f"{skip.clause}: {skip.reason}"
         skip_kind = skip.kind

@@ -12,10 +12,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from pytest_kvconform import model
 from pytest_kvconform.model import Case
 
 MIN_PAGES = 2  # the null block plus one usable block
-DTYPE_SIZES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+CASE_DTYPES = ("bfloat16", "float16", "float32")  # the dtype names a case file may use
+DTYPE_SIZES: dict[str, int] = {name: model.DTYPE_SIZES[name] for name in CASE_DTYPES}
 _INT_KEYS = ("block_size", "num_kv_heads", "head_size", "num_layers", "num_pages", "world_size",
              "num_groups")
 _OPTIONAL_INT_KEYS = ("kernel_block_size", "page_size_padded", "expected_usable_blocks")

@@ -19,7 +19,7 @@ from typing import Any
 
 from pytest_kvconform.model import Case, installed_version
 from pytest_kvconform.oracle import PHYSICAL_LAYOUTS
-from pytest_kvconform.outcomes import ClauseSkip, SkipKind
+from pytest_kvconform.outcomes import SkipKind, Unsupported
 
 # The six physical layouts of the contract (the oracle parses them from their letters).
 LAYOUT_NAMES: tuple[str, ...] = PHYSICAL_LAYOUTS
@@ -62,9 +62,9 @@ def production_import_error() -> str | None:
 
 
 def require_omni(clause: str) -> None:
-    """Raise the standard skip when a clause needs vllm-omni and it is absent."""
+    """Raise the standard skip of ``clause`` (the caller's) when vllm-omni is absent."""
     if not omni_installed():
-        raise ClauseSkip(clause, "vllm-omni not installed", SkipKind.ENVIRONMENT)
+        raise Unsupported("vllm-omni not installed", SkipKind.ENVIRONMENT).skip(clause)
 
 
 # --- layouts -----------------------------------------------------------------
@@ -185,8 +185,8 @@ def attention_spec(case: Case, *, block_size: int | None = None) -> Any:
     if case.page_size_padded is not None:
         fields = getattr(FullAttentionSpec, "__dataclass_fields__", {})
         if "page_size_padded" not in fields:
-            raise ClauseSkip("KV-S4", "installed vLLM's AttentionSpec has no page_size_padded",
-                             SkipKind.NOT_APPLICABLE)
+            raise Unsupported("installed vLLM's AttentionSpec has no page_size_padded",
+                              SkipKind.NOT_APPLICABLE)
         kwargs["page_size_padded"] = case.page_size_padded
     return FullAttentionSpec(**kwargs)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from pytest_kvconform import compat
 from pytest_kvconform.model import Case
-from pytest_kvconform.outcomes import ClauseSkip, SkipKind
+from pytest_kvconform.outcomes import SkipKind, Unsupported
 
 
 @dataclass
@@ -142,13 +142,13 @@ def run_production_control_plane(od_config: Any, specs: list[dict[str, Any]],
     module = importlib.import_module("vllm_omni.diffusion.diffusion_kv.initialization")
     control_plane = getattr(module, "initialize_diffusion_kv_control_plane", None)
     if control_plane is None:
-        raise ClauseSkip("KV-L6", "installed vllm-omni has no "
-                         "initialize_diffusion_kv_control_plane", SkipKind.ENVIRONMENT)
+        raise Unsupported("installed vllm-omni has no initialize_diffusion_kv_control_plane",
+                          SkipKind.ENVIRONMENT)
     executor = _RecordingExecutor(specs, available_memory)
     result = control_plane(executor, od_config, profile_requests=[object()],
                            device=torch.device(device.split(":", 1)[0]))
     if result is None:
-        raise ClauseSkip("KV-L6", "the control plane declined to run for a paged diffusion "
-                         "config (returned None)", SkipKind.ENVIRONMENT)
+        raise Unsupported("the control plane declined to run for a paged diffusion "
+                          "config (returned None)", SkipKind.ENVIRONMENT)
     scheduler_config, vllm_config = result[0], result[-1]
     return vllm_config, executor.worker_configs or [], scheduler_config

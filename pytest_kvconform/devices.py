@@ -103,24 +103,37 @@ def visible_gpu_ids(environ: Mapping[str, str], count_gpus: Callable[[], int]) -
     return ids
 
 
-def count_gpus_without_cuda_init(timeout_s: float = 10.0) -> int:
+NVIDIA_SMI_TIMEOUT_S = 10.0
+
+
+def nvidia_smi(*args: str, timeout_s: float = NVIDIA_SMI_TIMEOUT_S) -> str | None:
+    """``nvidia-smi``'s output for ``args``; None when it is absent, fails or hangs.
+
+    The one probe of the driver (device counting here, the report's environment):
+    a subprocess, so nothing here can create a CUDA context.
+    """
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, *args], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def count_gpus_without_cuda_init(timeout_s: float = NVIDIA_SMI_TIMEOUT_S) -> int:
     """Number of NVIDIA GPUs per ``nvidia-smi -L``; 0 when it is absent or fails.
 
     A subprocess, not torch: the xdist controller must not create a CUDA context (its
     workers would then inherit nothing useful and the controller would hold memory).
     """
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
+    out = nvidia_smi("-L", timeout_s=timeout_s)
+    if out is None:
         return 0
-    try:
-        out = subprocess.run(
-            [exe, "-L"], capture_output=True, text=True, timeout=timeout_s, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    if out.returncode != 0:
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
 def _gpu_pool(request: DeviceRequest, gpu_ids: list[str]) -> list[str]:

@@ -13,6 +13,22 @@ from typing import Any
 from pytest_kvconform.clauses import CLAUSE_RE as CLAUSE_RE  # re-exported: one grammar
 from pytest_kvconform.clauses import clause_from_test_name as clause_from_test_name
 
+# Bytes per element by dtype name: the one table (the oracle's sizes, the case files' dtypes).
+DTYPE_SIZES: dict[str, int] = {
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float8_e4m3fn": 1,
+    "fp8": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
 # user_properties key carrying a ClauseSkip's kind from the test to the report.
 SKIP_KIND_PROPERTY = "kv_skip_kind"
 
@@ -46,6 +62,12 @@ class BackendUnderTest:
     def importable(self) -> bool:
         return self.cls is not None
 
+    def record(self) -> dict[str, Any]:
+        """The backend as the report and the terminal matrix hold it (JSON values)."""
+        return {"name": self.name, "path": self.path, "source": self.source,
+                "overridden": bool(self.overridden), "importable": self.importable,
+                "reason": self.error, "origin": self.origin}
+
 
 @dataclass(frozen=True)
 class Case:
@@ -72,24 +94,3 @@ class Case:
         if self.expected_usable_blocks is not None:
             return self.expected_usable_blocks
         return self.num_pages - 1
-
-
-class DeclaresLayerStride:
-    """A stand-in backend that needs LBNHC, for the control plane's explicit seam."""
-
-    @classmethod
-    def indexes_kv_by_block_stride(cls) -> bool:
-        return False
-
-
-class DeclaresBlockStride:
-    """A stand-in backend that needs a block-outermost layout; no in-tree backend does yet."""
-
-    @classmethod
-    def indexes_kv_by_block_stride(cls) -> bool:
-        return True
-
-
-def declaring(need: bool) -> type:
-    """The stand-in backend class declaring ``need`` (importable by its path)."""
-    return DeclaresBlockStride if need else DeclaresLayerStride

@@ -20,24 +20,12 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+# Our own table (stdlib, in model.py), keyed by name: the oracle never asks torch or vLLM
+# for a size.
+from pytest_kvconform.model import DTYPE_SIZES as DTYPE_SIZES
+
 LOGICAL_AXES: tuple[str, ...] = ("L", "B", "H", "N", "C")
 PHYSICAL_LAYOUTS: tuple[str, ...] = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
-
-# Our own table, keyed by name, so the oracle never asks torch (or vLLM) for a size.
-DTYPE_SIZES: dict[str, int] = {
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-    "half": 2,
-    "float32": 4,
-    "fp32": 4,
-    "float": 4,
-    "float8_e4m3fn": 1,
-    "fp8": 1,
-    "int8": 1,
-    "uint8": 1,
-}
 
 # A materialised table beyond this many cells is refused: use page_start / cell_address.
 MAX_TABLE_CELLS = 1 << 26

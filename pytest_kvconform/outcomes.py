@@ -6,6 +6,9 @@ the worker harness, the checks and the front-ends all raise or read these.
 - :class:`ClauseFailure`: the contract does not hold (the backend or the installed
   code is wrong).
 - :class:`ClauseSkip`: the clause cannot be checked here; :class:`SkipKind` says why.
+- :class:`Unsupported`: the installed vLLM / vllm-omni lacks what a check needs.  The
+  adapters (compat, control_plane) raise it without naming a clause; the check
+  that called them attaches its own clause and reports a :class:`ClauseSkip`.
 - :class:`HarnessError`: the harness itself failed (a worker died or timed out, an
   allocation ran out of memory, the plugin raised).  Never blamed on a backend: the
   report shows it as status ``error`` with its :class:`ErrorKind`.
@@ -76,6 +79,24 @@ class ClauseSkip(Exception):
         self.reason = reason
         self.kind = kind
         super().__init__(f"{clause}: {reason}")
+
+
+class Unsupported(Exception):
+    """Unsupported by the installed version: a feature a check needs is absent.
+
+    Raised by the adapters, which serve several clauses and so name none; the
+    check (or the front-end running it) turns it into ``ClauseSkip(clause, ...)``
+    with :meth:`skip`.
+    """
+
+    def __init__(self, reason: str, kind: SkipKind = SkipKind.ENVIRONMENT) -> None:
+        self.reason = reason
+        self.kind = kind
+        super().__init__(reason)
+
+    def skip(self, clause: str) -> ClauseSkip:
+        """The skip of ``clause`` this absence means."""
+        return ClauseSkip(clause, self.reason, self.kind)
 
 
 class HarnessError(RuntimeError):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_kvconform import compat
+from pytest_kvconform.control_plane import default_memory
 from pytest_kvconform.model import Case
 from pytest_kvconform.outcomes import HarnessError
 
@@ -135,7 +136,7 @@ def control_plane_config(layout: str, need: bool, case: Case, device: str,
     """
     vllm_config = compat.production_vllm_config(device)
     vllm_config.cache_config.kv_cache_layout = layout
-    memory = compat.page_bytes(_spec(case)) * case.num_layers * case.num_pages
+    memory = default_memory(case)
     rank_configs, _ = compat.build_native_kv_cache_configs(
         vllm_config, [dict(layer_specs)], [memory], indexes_kv_by_block_stride=need)
     stamped = getattr(rank_configs[0], "kv_cache_layout", None)

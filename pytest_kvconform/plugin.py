@@ -106,12 +106,10 @@ def kv_control_plane(request: pytest.FixtureRequest, kv_device: str) -> Any:
     explicit bool) and returns a ``ControlPlane``: ``.rank_configs`` (rank-local
     ``KVCacheConfig``s), ``.scheduler_config``, ``.pinned`` (the layout name).
     """
-    from pytest_kvconform.checks.common import declared_need
-    from pytest_kvconform.control_plane import build_control_plane
+    from pytest_kvconform.checks.adoption import fixture_control_plane
 
     def build(source: Any, case: Any, world_size: int | None = None) -> Any:
-        need = source if isinstance(source, bool) else declared_need("KV-A1", source)
-        return build_control_plane(need, case, world_size=world_size, device=kv_device)
+        return fixture_control_plane(source, case, world_size=world_size, device=kv_device)
 
     return build
 

@@ -17,8 +17,9 @@ Results alone (:func:`compute_verdict`):
 * non-strict: qualified iff at least one result ran and none failed or errored
   (an xpass or a skip does not disqualify);
 * strict (``--kv-strict``): additionally every xpass disqualifies, and every
-  skip unless its kind is ``hardware`` or ``not-applicable`` or an xfails entry
-  declares it (``xfail`` on the result).
+  skip unless the clause table forgives its kind for its clause
+  (:func:`pytest_kvconform.clauses.skip_forgiven`) or an xfails entry declares it
+  (``xfail`` on the result).
 
 The report's verdict (:func:`judge`) also needs the whole matrix to have run: the
 ``selection`` record (``-k``, ``-m``, narrowed paths, backends left out by
@@ -39,23 +40,23 @@ import math
 import os
 import platform
 import re
-import shutil
 import socket
-import subprocess
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path, PurePath
 from typing import Any
 
-from pytest_kvconform import CONTRACT_VERSION
-from pytest_kvconform.clauses import FAMILY_ORDER
-from pytest_kvconform.model import CLAUSE_RE, installed_version
+from pytest_kvconform import CONTRACT_VERSION, clauses
+from pytest_kvconform.clauses import CLAUSE_RE, clause_sort_key, skip_forgiven
+from pytest_kvconform.devices import nvidia_smi
+from pytest_kvconform.model import installed_version
+from pytest_kvconform.outcomes import ErrorKind, SkipKind
 
 SCHEMA = "pytest-kvconform/report/1"
 STATUSES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
-SKIP_KINDS = ("hardware", "environment", "backend", "not-applicable")
-ERROR_KINDS = ("worker-died", "timeout", "oom", "harness")  # outcomes.ErrorKind values
+SKIP_KINDS = tuple(k.value for k in SkipKind)
+ERROR_KINDS = tuple(k.value for k in ErrorKind)
 VERDICTS = ("qualified", "not qualified", "partial", "interrupted")
 UPSTREAM_ROW = "(upstream)"
 
@@ -77,8 +78,6 @@ _CELL_CHAR = {
     "xpassed": "X",
     "error": "E",
 }
-_CLAUSE_FAMILY_ORDER = FAMILY_ORDER  # the contract's section order
-_NVIDIA_SMI_TIMEOUT_S = 5.0
 
 _TOP_KEYS = (
     "schema", "contract", "run", "environment", "selection", "backends", "results", "summary",
@@ -145,14 +144,11 @@ def _probe_devices() -> list[dict[str, Any]]:
 
 def _nvidia_gpus() -> list[dict[str, Any]]:
     """GPUs as ``nvidia-smi`` lists them; empty when it is absent, fails or hangs."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
-    query = [exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"]
-    listing = _run_quiet(query)
+    listing = nvidia_smi("--query-gpu=name,memory.total,driver_version",
+                         "--format=csv,noheader,nounits")
     if listing is None:
         return []
-    header = _run_quiet([exe]) or ""
+    header = nvidia_smi() or ""
     m = re.search(r"CUDA Version:\s*([0-9.]+)", header)
     cuda = m.group(1) if m else None
     gpus = []
@@ -169,16 +165,6 @@ def _nvidia_gpus() -> list[dict[str, Any]]:
     return gpus
 
 
-def _run_quiet(argv: list[str]) -> str | None:
-    try:
-        proc = subprocess.run(
-            argv, capture_output=True, text=True, timeout=_NVIDIA_SMI_TIMEOUT_S, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout if proc.returncode == 0 else None
-
-
 def _host_memory_bytes() -> int | None:
     try:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
@@ -189,21 +175,13 @@ def _host_memory_bytes() -> int | None:
 # --------------------------------------------------------------------------- build + verdict
 
 
-def clause_sort_key(clause: str) -> tuple[int, int, str]:
-    """Contract order: L, S, N, A families, then by number (KV-L2 before KV-L10)."""
-    m = re.match(r"^KV-([A-Z])([0-9]+)$", clause)
-    if m is None:
-        return (len(_CLAUSE_FAMILY_ORDER) + 1, 0, clause)
-    family = _CLAUSE_FAMILY_ORDER.find(m.group(1))
-    return (family if family >= 0 else len(_CLAUSE_FAMILY_ORDER), int(m.group(2)), clause)
-
-
 def _result_sort_key(result: Mapping[str, Any]) -> tuple[str, ...]:
     keys = ("nodeid", "backend", "clause", "case", "layout")
     return tuple(str(result.get(k) or "") for k in keys)
 
 
-FORGIVEN_SKIP_KINDS = ("hardware", "not-applicable")
+# Every kind some clause forgives (the table says which clause forgives which).
+FORGIVEN_SKIP_KINDS = tuple(sorted(k.value for k in clauses.FORGIVEN_SKIP_KINDS))
 
 
 def _blocks(result: Mapping[str, Any], strict: bool) -> bool:
@@ -214,9 +192,11 @@ def _blocks(result: Mapping[str, Any], strict: bool) -> bool:
         return False
     if status == "xpassed":
         return True
-    # Forgiven in strict mode: missing hardware, a clause that does not apply to
-    # the backend, and a skip the expected-failures file declares (``xfail``).
-    return (status == "skipped" and result.get("skip_kind") not in FORGIVEN_SKIP_KINDS
+    # Forgiven in strict mode: a skip the clause table forgives for its clause
+    # (missing hardware, a clause that does not apply), and a skip the
+    # expected-failures file declares (``xfail``).
+    return (status == "skipped"
+            and not skip_forgiven(str(result.get("clause")), result.get("skip_kind"))
             and not result.get("xfail"))
 
 
@@ -418,16 +398,9 @@ def _normalise_result(result: Mapping[str, Any]) -> dict[str, Any]:
 def _backend_record(backend: Any) -> dict[str, Any]:
     if isinstance(backend, Mapping):
         return _jsonable(dict(backend))
-    record = {
-        "name": backend.name,
-        "path": backend.path,
-        "source": backend.source,
-        "overridden": bool(backend.overridden),
-        "importable": bool(backend.importable),
-        "reason": backend.error,
-    }
-    if getattr(backend, "origin", None) is not None:
-        record["origin"] = backend.origin
+    record: dict[str, Any] = backend.record()
+    if record["origin"] is None:  # optional: only plugin-provided backends name one
+        del record["origin"]
     return record
 
 

@@ -399,10 +399,7 @@ class KvSession:
         return None
 
     def backend_dicts(self) -> list[dict[str, Any]]:
-        return [{"name": b.name, "path": b.path, "source": b.source,
-                 "overridden": b.overridden, "importable": b.importable, "reason": b.error,
-                 "origin": b.origin}
-                for b in self.discovery.backends]
+        return [b.record() for b in self.discovery.backends]
 
 
 class _Completion:

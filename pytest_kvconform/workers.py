@@ -61,8 +61,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pytest_kvconform import budget, lifetime
-from pytest_kvconform.model import declaring
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
+from pytest_kvconform.standins import declaring
 
 FAULT_ENV = "KVCONFORM_WORKER_FAULT"
 FAULTS = ("skip_adoption", "wrong_offset", "hang", "die", "oom")

@@ -64,3 +64,11 @@ def test_page_bytes_counts_k_and_v_of_every_head_and_token() -> None:
 
 def test_helpers_without_callers_are_gone() -> None:
     assert not hasattr(cases, "select") and not hasattr(cases, "as_dict")
+
+
+def test_dtype_sizes_are_one_table() -> None:
+    """The case files' dtypes are sized by the oracle's table, not by a copy."""
+    from pytest_kvconform import model, oracle
+
+    assert oracle.DTYPE_SIZES is model.DTYPE_SIZES
+    assert all(cases.DTYPE_SIZES[d] == oracle.dtype_size(d) for d in cases.CASE_DTYPES)

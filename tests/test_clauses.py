@@ -77,7 +77,8 @@ def test_families_and_what_they_apply_to() -> None:
 def test_one_grammar_shared_by_model_and_report() -> None:
     assert model.CLAUSE_RE is clauses.CLAUSE_RE
     assert model.clause_from_test_name is clauses.clause_from_test_name
-    assert report._CLAUSE_FAMILY_ORDER == clauses.FAMILY_ORDER
+    assert report.clause_sort_key is clauses.clause_sort_key  # one order, not a copy
+    assert report.CLAUSE_RE is clauses.CLAUSE_RE
     # Reports only hold valid ids (validate refuses others): the two orders agree on them.
     assert all(report.clause_sort_key(c) == clauses.clause_sort_key(c)
                for c in [*clauses.BY_ID, "KV-L10", "bogus"])
@@ -195,6 +196,25 @@ def test_forgiven_skip_kinds() -> None:
     assert not clauses.skip_forgiven("KV-Z1", SkipKind.NOT_APPLICABLE)
     # The report's global rule is the union of the rows'.
     assert {k.value for k in clauses.FORGIVEN_SKIP_KINDS} == set(report.FORGIVEN_SKIP_KINDS)
+
+
+def test_report_strict_rule_is_the_tables() -> None:
+    """The report judges a skip by its clause's row, not by a global list of kinds."""
+    def skipped(clause: str, kind: str) -> dict[str, object]:
+        return {"nodeid": f"t[{clause}]", "clause": clause, "status": "skipped",
+                "skip_kind": kind}
+
+    passed = {"nodeid": "t0", "clause": "KV-L1", "status": "passed"}
+    for clause in clauses.BY_ID:
+        for kind in SkipKind:
+            verdict, _ = report.compute_verdict([passed, skipped(clause, kind.value)], strict=True)
+            forgiven = clauses.skip_forgiven(clause, kind)
+            assert verdict == ("qualified" if forgiven else "not qualified"), (clause, kind)
+    # KV-L1 needs no device: a hardware skip of it is not forgiven; KV-L7's is.
+    assert report.compute_verdict([passed, skipped("KV-L1", "hardware")], True)[0] == \
+        "not qualified"
+    assert report.compute_verdict([passed, skipped("KV-L7", "hardware")], True)[0] == "qualified"
+    assert report.SKIP_KINDS == tuple(k.value for k in SkipKind)
 
 
 def test_rows_render_for_the_readme() -> None:

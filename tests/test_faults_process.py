@@ -32,6 +32,7 @@ from pytest_kvconform.model import BackendUnderTest
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
 from tests import faultkit
 from tests.conftest import needs_omni
+from tests.standin_backends import GOOD_AND_INT_FLAG_CONFTEST
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
                                 reason="PID checks read /proc (Linux)")
@@ -354,20 +355,7 @@ def test_killed_run_leaves_no_process(tmp_path: Path, xdist: bool, sig: int) -> 
 
 # --- determinism --------------------------------------------------------------------
 
-DETERMINISM_BACKENDS = '''
-class Good:
-    @classmethod
-    def indexes_kv_by_block_stride(cls):
-        return False
-
-class IntFlag:
-    @classmethod
-    def indexes_kv_by_block_stride(cls):
-        return 1
-
-def pytest_kvconform_backends(config):
-    return {"GOOD": Good, "INT_FLAG": IntFlag}
-'''
+DETERMINISM_BACKENDS = GOOD_AND_INT_FLAG_CONFTEST
 DETERMINISM_SELECT = ("--kv-backend", "GOOD", "--kv-backend", "INT_FLAG", "-k",
                       "kv_l1 or kv_l2 or (kv_a2 and bf16_h8 and not seam) or (kv_n2 and bf16)")
 _VOLATILE = re.compile(r"duration|seconds|time|_at$|started|finished|date", re.I)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import CONTRACT_VERSION
+from pytest_kvconform import devices as dev
 from pytest_kvconform import report as rp
 from pytest_kvconform.model import BackendUnderTest
 
@@ -379,7 +380,7 @@ def test_load_report_names_the_file(tmp_path: Path) -> None:
 
 
 def test_environment_info_without_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rp.shutil, "which", lambda name: None)
+    monkeypatch.setattr(dev.shutil, "which", lambda name: None)
     env = rp.environment_info({"b": 1, "a": Path("x")}, seed=3)
     assert list(env) == list(rp._ENV_KEYS)
     assert env["devices"] == [
@@ -404,8 +405,8 @@ def test_environment_info_parses_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> 
             out = "| NVIDIA-SMI 570.86.15   Driver Version: 570.86.15   CUDA Version: 12.8 |"
         return subprocess.CompletedProcess(argv, 0, out, "")
 
-    monkeypatch.setattr(rp.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
-    monkeypatch.setattr(rp.subprocess, "run", fake_run)
+    monkeypatch.setattr(dev.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(dev.subprocess, "run", fake_run)
     devices = rp.environment_info({}, None)["devices"]
     assert devices == [
         {"name": "NVIDIA H200", "memory_bytes": 143771 * 2**20, "driver": "570.86.15",
@@ -420,8 +421,8 @@ def test_environment_info_falls_back_when_nvidia_smi_hangs(
     def hang(argv: list[str], **kwargs: Any) -> None:
         raise subprocess.TimeoutExpired(argv, kwargs["timeout"])
 
-    monkeypatch.setattr(rp.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
-    monkeypatch.setattr(rp.subprocess, "run", hang)
+    monkeypatch.setattr(dev.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(dev.subprocess, "run", hang)
     assert rp.environment_info({}, None)["devices"][0]["name"] == "cpu"
 
 
@@ -440,3 +441,18 @@ def test_environment_info_imports_neither_torch_nor_vllm() -> None:
         env={"PYTHONPATH": str(root), "PATH": ""},
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_environment_probe_is_the_device_probe() -> None:
+    """One nvidia-smi probe (and one timeout) for device counting and the report."""
+    assert rp.nvidia_smi is dev.nvidia_smi
+    assert not hasattr(rp, "_run_quiet")
+
+
+def test_backend_record_is_written_once() -> None:
+    """The report's backend records and the session's come from BackendUnderTest.record()."""
+    b = BackendUnderTest("X", "pkg.X", "registry", error="boom")
+    assert tuple(b.record()) == (*rp._BACKEND_KEYS, *rp._BACKEND_OPTIONAL_KEYS)
+    assert rp._backend_record(b) == {k: v for k, v in b.record().items() if k != "origin"}
+    with_origin = BackendUnderTest("Y", "pkg.Y", "platform", origin="dist:ep")
+    assert rp._backend_record(with_origin) == with_origin.record()

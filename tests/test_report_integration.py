@@ -9,21 +9,9 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import report
+from tests.standin_backends import GOOD_AND_INT_FLAG_CONFTEST
 
-BACKENDS = '''
-class Good:
-    @classmethod
-    def indexes_kv_by_block_stride(cls):
-        return False
-
-class IntFlag:
-    @classmethod
-    def indexes_kv_by_block_stride(cls):
-        return 1
-
-def pytest_kvconform_backends(config):
-    return {"GOOD": Good, "INT_FLAG": IntFlag}
-'''
+BACKENDS = GOOD_AND_INT_FLAG_CONFTEST
 # The one expected failure most tests declare: INT_FLAG's KV-L1.
 INT_FLAG_ENTRY = '''
 [[xfail]]

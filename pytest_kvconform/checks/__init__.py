@@ -3,7 +3,9 @@
 A check returns None when its clause holds and raises :class:`ClauseFailure`
 when it does not, or :class:`ClauseSkip` when it cannot run here (a missing
 package, device or importable backend).  The pytest front-end
-(``pytest_kvconform.suite``) and the plain runner share these functions.
+(``pytest_kvconform.suite``) and the plain Python API
+(:func:`pytest_kvconform.api.check_backend`, which ``kvconform run`` drives) share
+these functions, through the clause table (:mod:`pytest_kvconform.clauses`).
 """
 
 from __future__ import annotations

@@ -22,8 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_kvconform import compat, oracle
-from pytest_kvconform.checks.common import declared_need
-from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, HarnessError, SkipKind
+from pytest_kvconform.checks.common import declared_need, unsupported_as_skip
+from pytest_kvconform.checks.errors import (
+    ClauseFailure,
+    ClauseSkip,
+    HarnessError,
+    SkipKind,
+    Unsupported,
+)
 from pytest_kvconform.checks.geometry import geometry_for
 from pytest_kvconform.control_plane import ControlPlane, build_control_plane
 from pytest_kvconform.model import BackendUnderTest, Case
@@ -70,11 +76,29 @@ def _run(clause: str, source: Source, case: Case) -> _Run:
     return _Run(clause, declared_need(clause, source), source.name, case)
 
 
+# The public ``kv_control_plane`` fixture reads a backend's need as KV-A1 does.
+FIXTURE_CLAUSE = "KV-A1"
+
+
+def fixture_control_plane(source: Source, case: Case, *, world_size: int | None = None,
+                          device: str = "cpu") -> ControlPlane:
+    """The ``kv_control_plane`` fixture's work: the production control plane for a need.
+
+    A failure or skip names :data:`FIXTURE_CLAUSE`, the clause whose reading of
+    the need it shares; the plugin names none.
+    """
+    need = source if isinstance(source, bool) else declared_need(FIXTURE_CLAUSE, source)
+    with unsupported_as_skip(FIXTURE_CLAUSE):
+        return build_control_plane(need, case, world_size=world_size, device=device)
+
+
 def _control_plane(run: _Run, device: str, **kwargs: Any) -> ControlPlane:
     try:
         return build_control_plane(run.need, run.case, device=device, **kwargs)
     except (ClauseFailure, ClauseSkip):
         raise
+    except Unsupported as exc:
+        raise exc.skip(run.clause) from None
     except Exception as exc:
         raise run.fail(f"the control plane raised {type(exc).__name__}: {exc}") from exc
 

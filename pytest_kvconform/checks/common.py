@@ -7,8 +7,27 @@ from collections.abc import Iterator
 from typing import Any
 
 from pytest_kvconform import budget
-from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, HarnessError, SkipKind
+from pytest_kvconform.checks.errors import (
+    ClauseFailure,
+    ClauseSkip,
+    HarnessError,
+    SkipKind,
+    Unsupported,
+)
 from pytest_kvconform.model import BackendUnderTest
+
+
+@contextlib.contextmanager
+def unsupported_as_skip(clause: str) -> Iterator[None]:
+    """Attach ``clause`` to what the adapters found missing: ``Unsupported`` -> its skip.
+
+    The adapters (compat, control_plane) serve several clauses and name none;
+    the check running them knows which clause it is checking.
+    """
+    try:
+        yield
+    except Unsupported as exc:
+        raise exc.skip(clause) from None
 
 
 def backend_class(clause: str, backend: BackendUnderTest) -> Any:

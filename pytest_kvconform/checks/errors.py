@@ -8,6 +8,7 @@ from pytest_kvconform.outcomes import (
     ErrorKind,
     HarnessError,
     SkipKind,
+    Unsupported,
 )
 
-__all__ = ["ClauseFailure", "ClauseSkip", "ErrorKind", "HarnessError", "SkipKind"]
+__all__ = ["ClauseFailure", "ClauseSkip", "ErrorKind", "HarnessError", "SkipKind", "Unsupported"]

@@ -13,10 +13,18 @@ from pytest_kvconform.checks.common import (
     call_declaration,
     cuda_init_recorder,
     declared_need,
+    unsupported_as_skip,
 )
-from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, HarnessError, SkipKind
+from pytest_kvconform.checks.errors import (
+    ClauseFailure,
+    ClauseSkip,
+    HarnessError,
+    SkipKind,
+    Unsupported,
+)
 from pytest_kvconform.control_plane import default_memory, run_production_control_plane
-from pytest_kvconform.model import BackendUnderTest, Case, declaring
+from pytest_kvconform.model import BackendUnderTest, Case
+from pytest_kvconform.standins import declaring
 
 DEFAULT_LAYOUT = "LBNHC"
 _CALLS = 3
@@ -294,7 +302,8 @@ def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
     compat.require_omni(clause)
     need = declared_need(clause, backend)
     case = _PROBE_CASE
-    specs = compat.worker_specs(case)
+    with unsupported_as_skip(clause):
+        specs = compat.worker_specs(case)
     memory = [default_memory(case)] * case.world_size
     try:
         with compat.backend_selected(backend.name, backend.path) as selected:
@@ -304,6 +313,8 @@ def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
                 od_config, specs, memory, device)
     except ClauseSkip:
         raise
+    except Unsupported as exc:
+        raise exc.skip(clause) from None
     except Exception as exc:
         raise ClauseFailure(clause, "the production control plane failed for a paged model "
                             f"served with this backend: {exc!r}", backend=backend.name) from exc

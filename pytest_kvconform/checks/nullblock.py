@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pytest_kvconform import compat, oracle
-from pytest_kvconform.checks.errors import ClauseFailure
+from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, HarnessError, Unsupported
 from pytest_kvconform.checks.geometry import geometry_for, page_stride
 from pytest_kvconform.model import Case
 
@@ -53,6 +53,10 @@ def plan(case: Case, memory: list[int], *, max_model_len: int = -1,
 def _plan_or_fail(clause: str, case: Case, memory: list[int], what: str, **kwargs: Any) -> Plan:
     try:
         return plan(case, memory, **kwargs)
+    except (ClauseSkip, HarnessError):  # not the control plane refusing: report as they are
+        raise
+    except Unsupported as exc:
+        raise exc.skip(clause) from None
     except Exception as exc:
         raise ClauseFailure(clause, f"the control plane refused {what}: {type(exc).__name__}: "
                             f"{exc}", case=case.id) from exc

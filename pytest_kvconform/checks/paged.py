@@ -18,7 +18,7 @@ from typing import Any
 
 from pytest_kvconform import compat, paged_drivers
 from pytest_kvconform.checks.common import backend_class, declared_need
-from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind
+from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind, Unsupported
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.outcomes import HarnessError
 from pytest_kvconform.paged_drivers import Row
@@ -191,6 +191,8 @@ def _check_layout(backend: BackendUnderTest, cls: Any, driver_kind: str, device:
         alloc = driver.allocate(layout, need, None, lambda n: choose_block_ids(case, n))
     except (ClauseSkip, ClauseFailure, HarnessError):
         raise
+    except Unsupported as exc:
+        raise exc.skip(CLAUSE) from None
     except Exception as exc:
         raise HarnessError(f"KV-L7 set-up ({driver.name} driver, layout {layout}, case "
                            f"{case.id}): allocating through the production path failed: "

@@ -17,7 +17,7 @@ import numpy as np
 
 from pytest_kvconform import compat, oracle
 from pytest_kvconform.checks import bytemap
-from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip
+from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, Unsupported
 from pytest_kvconform.checks.geometry import geometry_for, page_stride
 from pytest_kvconform.model import Case
 
@@ -54,6 +54,8 @@ class _Where:
             return fn(*args, **kwargs)
         except (ClauseFailure, ClauseSkip):
             raise
+        except Unsupported as exc:
+            raise exc.skip(self.clause) from None
         except Exception as exc:
             raise self.fail(source, f"raised {type(exc).__name__}: {exc}") from exc
 
@@ -302,6 +304,8 @@ def _documented_or_fail(where: _Where, source: str, run: Callable[[], Any],
         run()
     except (ClauseFailure, ClauseSkip):
         raise
+    except Unsupported as exc:
+        raise exc.skip(where.clause) from None
     except Exception as exc:
         if any(isinstance(exc, kind) and text in str(exc) for kind, text in documented):
             return

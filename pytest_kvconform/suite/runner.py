@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import budget
-from pytest_kvconform.checks.errors import ClauseSkip
+from pytest_kvconform.checks.errors import ClauseSkip, Unsupported
 from pytest_kvconform.model import SKIP_KIND_PROPERTY
 
 
@@ -24,11 +24,15 @@ def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args:
     Harness faults escaping the test body are classified by the session's
     ``pytest_runtest_makereport`` (status ``error`` with their kind, never a failure).
     """
+    from pytest_kvconform.clauses import clause_from_test_name
     from pytest_kvconform.plugin import kv_session
 
     try:
-        with budget.per_test(kv_session(request.config).options.timeout):
-            check(*args, **kwargs)
+        try:
+            with budget.per_test(kv_session(request.config).options.timeout):
+                check(*args, **kwargs)
+        except Unsupported as exc:  # an adapter's absence the check did not claim: the test's
+            raise exc.skip(clause_from_test_name(request.node.name) or "KV-?") from None
     except ClauseSkip as skip:
         request.node.user_properties.append((SKIP_KIND_PROPERTY, skip.kind.value))
         # Reported at the test, not at this helper.

@@ -1,0 +1,147 @@
+"""Imports flow downwards: every module sits in a declared layer and imports only its own
+layer or those below, and no import cycle closes inside a layer.
+
+The layers are read from the modules' own ``import`` statements (``ast``), lazy
+imports inside functions included; imports under ``if TYPE_CHECKING:`` never run
+and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pytest_kvconform"
+
+# Bottom first.  A module may import modules of its own layer or of a layer below.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("outcomes", ("pytest_kvconform", "outcomes", "model", "clauses", "cases", "budget",
+                  "faults", "options", "hookspecs", "lifetime", "devices", "standins",
+                  "checks.errors")),
+    ("oracle", ("oracle",)),
+    ("adapters", ("compat", "control_plane", "paged_drivers", "discovery", "omni_plugins",
+                  "workers")),
+    ("checks", ("checks", "checks.*")),
+    ("front", ("api", "report", "report_*", "xfails", "startup", "session", "session_*",
+               "xdist_hooks", "plugin", "cli", "suite", "suite.*")),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index of ``module``'s layer (``pytest_kvconform.`` stripped); KeyError if none."""
+    for index, (_, members) in enumerate(LAYERS):
+        for member in members:
+            if member == module or (member.endswith("*") and module.startswith(member[:-1])
+                                    and module != member[:-2]):
+                return index
+    raise KeyError(f"module {module} is in no layer of tests/test_layering.py: declare it")
+
+
+def _short(name: str) -> str:
+    return "pytest_kvconform" if name == "pytest_kvconform" else \
+        name.removeprefix("pytest_kvconform.")
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(source: str, modules: set[str]) -> set[str]:
+    """The package modules ``source`` imports at run time (short names)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(_short(a.name) for a in node.names
+                         if a.name.split(".")[0] == "pytest_kvconform")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                node.module.split(".")[0] == "pytest_kvconform":
+            base = _short(node.module)
+            for alias in node.names:  # ``from pytest_kvconform import compat`` names a module
+                sub = alias.name if base == "pytest_kvconform" else f"{base}.{alias.name}"
+                found.add(sub if sub in modules else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return found
+
+
+def package_modules() -> dict[str, str]:
+    """Short module name -> source, for every module of the package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[_short(".".join(parts))] = path.read_text()
+    return out
+
+
+def violations(sources: dict[str, str]) -> list[str]:
+    """Every import that runs back up a layer, and every cycle inside one."""
+    names = set(sources)
+    graph = {m: imports_of(src, names) - {m} for m, src in sources.items()}
+    problems = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]}), "
+                "a layer above it"
+                for m, deps in sorted(graph.items()) for d in sorted(deps)
+                if layer_of(d) > layer_of(m)]
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def walk(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                problems.append("import cycle: " + " -> ".join([*path[path.index(d):], d]))
+            elif d not in state:
+                walk(d, [*path, d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [m])
+    return problems
+
+
+def test_every_module_has_a_layer() -> None:
+    for module in package_modules():
+        layer_of(module)
+
+
+def test_no_import_runs_back_up() -> None:
+    assert violations(package_modules()) == []
+
+
+def test_seeded_upward_import_is_reported() -> None:
+    sources = package_modules()
+    sources["compat"] += "\n\ndef _late():\n    from pytest_kvconform.checks import layout\n"
+    problems = violations(sources)
+    assert problems[0] == "compat (adapters) imports checks.layout (checks), a layer above it"
+    assert all("compat" in p for p in problems)  # and the cycle it closes, nothing else
+
+
+def test_seeded_cycle_in_a_layer_is_reported() -> None:
+    sources = package_modules()
+    sources["compat"] += "\nfrom pytest_kvconform import control_plane\n"
+    (problem,) = violations(sources)
+    assert problem.startswith("import cycle: ") and "compat" in problem \
+        and "control_plane" in problem
+
+
+def test_type_checking_imports_do_not_count() -> None:
+    text = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n" \
+           "    from pytest_kvconform.session import KvSession\n"
+    assert imports_of(text, {"session"}) == set()
+
+
+def test_undeclared_module_is_refused() -> None:
+    with pytest.raises(KeyError, match="newthing"):
+        layer_of("newthing")
