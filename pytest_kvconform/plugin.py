@@ -52,7 +52,35 @@ def pytest_configure(config: pytest.Config) -> None:
         exit_with_parent()
     from pytest_kvconform.session import KvSession
 
-    config.pluginmanager.register(KvSession(config, options, xfails=xfails), SESSION_PLUGIN)
+    session = KvSession(config, options, xfails=xfails)
+    config.pluginmanager.register(session, SESSION_PLUGIN)
+    _speculate_workers(config, options, session)
+
+
+def _speculate_workers(config: pytest.Config, options: Options, session: KvSession) -> None:
+    """Start the KV-A workers now if KV-A tests may be selected (issue 12).
+
+    Their ~20 s import then overlaps this process's own import and discovery on a
+    second core; :func:`pytest_collection_finish` drops them if no selected test needs
+    them.  Not on an xdist controller (it runs no test) nor for ``--collect-only``.
+    """
+    from pytest_kvconform import selection_guess
+
+    if config.option.collectonly or not selection_guess.may_select_adoption(config):
+        return
+    from pytest_kvconform.workers import KvWorkers
+
+    KvWorkers(session.device, list(session.gpu_ids)).speculate(
+        selection_guess.max_world_size(options))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.pluginmanager.get_plugin(SESSION_PLUGIN) is None:
+        return
+    from pytest_kvconform import workers
+
+    workers.drop_speculative(any("kv_workers" in getattr(item, "fixturenames", ())
+                                 for item in session.items))
 
 
 def _startup_checks(options: Options) -> list[Any]:

@@ -500,6 +500,29 @@ def exit_with_parent() -> None:
     lifetime.watch_parent(os.getppid(), on_orphan=kill_all)
 
 
+# Workers started before collection on the guess that KV-A tests will be selected.
+_speculative: set[tuple[str, int]] = set()
+
+
+def drop_speculative(used: bool) -> int:
+    """After collection: keep the speculatively started workers if ``used``, else close them.
+
+    Returns how many were closed.  Only workers this module started on speculation
+    are touched, never ones a pytester-hosting session is using.
+    """
+    keys = set(_speculative)
+    _speculative.clear()
+    if used or _pool is None:
+        return 0
+    closed = 0
+    for key in keys:
+        handle = _pool.workers.pop(key, None)
+        if handle is not None:
+            handle.close()
+            closed += 1
+    return closed
+
+
 class KvWorkers:
     """``kv_workers(n)``: n pooled worker processes, one per device, rank order.
 
@@ -522,6 +545,16 @@ class KvWorkers:
             if not isinstance(placements, str):
                 pool().prestart(placements)
                 return
+
+    def speculate(self, n: int) -> None:
+        """:meth:`prestart` before collection, while this process imports and discovers.
+
+        On a host with a spare core the workers' imports then cost no wall time; the
+        workers are dropped again by :func:`drop_speculative` if no selected test uses them.
+        """
+        before = set(pool().workers)
+        self.prestart(n)
+        _speculative.update(set(pool().workers) - before)
 
     def __call__(self, n: int = 1) -> list[WorkerHandle]:
         import pytest
