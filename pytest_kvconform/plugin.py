@@ -31,7 +31,18 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
-    """xdist sizes ``-n auto`` before pytest_configure; its hooks must be in by then."""
+    """xdist sizes ``-n auto`` before pytest_configure; its hooks must be in by then.
+
+    Only with ``--kv-conformance`` (or its ini key): a run with the plugin off imports
+    nothing more than this module and ``options`` (issue 12's plugin-off cost).
+    """
+    known = getattr(early_config, "known_args_namespace", None)
+    if not getattr(known, "kv_conformance", None):
+        try:
+            if not early_config.getini("kv_conformance"):
+                return
+        except ValueError:
+            return
     from pytest_kvconform.xdist_hooks import register_xdist_hooks
 
     register_xdist_hooks(early_config)
