@@ -7,7 +7,8 @@ Run in the default environment:  python benchmarks/bench_goals.py [--label L] [-
 - ``serial`` / ``xdist2``: the full ``pytest --kv-conformance`` suite, serial and ``-n 2``;
 - ``worker_start``: one pooled KV-A worker, spawn to ready (``WorkerPool.get``);
 - ``adopt_1`` / ``adopt_40``: ``-k "test_kv_a3 and TORCH_SDPA and perf_..."`` with a case file
-  of 40 world-size-1 cases, selecting 1 and all 40; the marginal case is their difference / 39;
+  of 40 world-size-1 cases (``perf_cases_plugin`` adds them to KV-A's cases), selecting 1
+  and all 40; the marginal case is their difference / 39;
 - ``off`` / ``no_plugin``: collecting 200 trivial tests with the plugin installed but off, and
   with ``-p no:kvconform`` (alternated, median of ``--repeat``).
 
@@ -35,7 +36,8 @@ WORKER = ("import time; from pytest_kvconform import workers; t = time.perf_coun
 
 
 def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "benchmarks"),
+                                       os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONPATH": path}
 
 
@@ -107,7 +109,7 @@ def main() -> int:
             rows.append(("worker_start", start_s, 0, proc.returncode, load(), "pool().get"))
             print(f"worker_start: {start_s:.1f}s load {load()}", flush=True)
         cases = cases_file(tmp)
-        adopt = [*suite, "--kv-cases", cases, "-k"]
+        adopt = [*suite, "-p", "perf_cases_plugin", "--kv-cases", cases, "-k"]
         a1 = measure("adopt_1", [*adopt, "test_kv_a3 and TORCH_SDPA and perf_00"], tmp)
         a40 = measure("adopt_40", [*adopt, "test_kv_a3 and TORCH_SDPA and perf_"], tmp)
         trivial = trivial_tests(tmp)

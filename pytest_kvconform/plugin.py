@@ -77,21 +77,26 @@ def _speculate_workers(config: pytest.Config, options: Options, session: KvSessi
     """
     from pytest_kvconform import selection_guess
 
-    if config.option.collectonly or not selection_guess.may_select_adoption(config):
+    if (config.option.collectonly or getattr(config.option, "help", False)
+            or not selection_guess.may_select_adoption(config)):
         return
     from pytest_kvconform.workers import KvWorkers
 
-    KvWorkers(session.device, list(session.gpu_ids)).speculate(
-        selection_guess.max_world_size(options))
+    # One worker: the selection may need no more (a second is started after collection).
+    KvWorkers(session.device, list(session.gpu_ids)).speculate(1)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if session.config.pluginmanager.get_plugin(SESSION_PLUGIN) is None:
+    """Keep, drop or add KV-A workers for the largest world size the selection needs."""
+    plugin = session.config.pluginmanager.get_plugin(SESSION_PLUGIN)
+    if plugin is None:
         return
-    from pytest_kvconform import workers
+    from pytest_kvconform.workers import KvWorkers
 
-    workers.drop_speculative(any("kv_workers" in getattr(item, "fixturenames", ())
-                                 for item in session.items))
+    params = [getattr(getattr(item, "callspec", None), "params", {}) for item in session.items
+              if "kv_workers" in getattr(item, "fixturenames", ())]
+    sizes = [p["kv_case"].world_size for p in params if "kv_case" in p]
+    KvWorkers(plugin.device, list(plugin.gpu_ids)).settle(max(sizes, default=0))
 
 
 def _startup_checks(options: Options) -> list[Any]:

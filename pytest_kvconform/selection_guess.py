@@ -41,13 +41,3 @@ def _evaluate(keyword: str, other: bool) -> bool:
         return other
 
     return bool(expression.evaluate(match))
-
-
-def max_world_size(options: Any) -> int:
-    """The largest world size among the session's cases (1 when they cannot be read)."""
-    from pytest_kvconform import cases
-
-    try:
-        return max((c.world_size for c in cases.load_cases(options.cases)), default=1)
-    except Exception:  # the session reports a bad case file at start-up
-        return 1

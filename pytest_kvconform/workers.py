@@ -504,19 +504,18 @@ def exit_with_parent() -> None:
 _speculative: set[tuple[str, int]] = set()
 
 
-def drop_speculative(used: bool) -> int:
-    """After collection: keep the speculatively started workers if ``used``, else close them.
+def drop_speculative(keep: Iterable[tuple[str, int]] = ()) -> int:
+    """After collection: close the speculatively started workers not in ``keep``.
 
     Returns how many were closed.  Only workers this module started on speculation
     are touched, never ones a pytester-hosting session is using.
     """
-    keys = set(_speculative)
+    keys = set(_speculative) - set(keep)
     _speculative.clear()
-    if used or _pool is None:
-        return 0
     closed = 0
+    workers = _pool.workers if _pool is not None else {}
     for key in keys:
-        handle = _pool.workers.pop(key, None)
+        handle = workers.pop(key, None)
         if handle is not None:
             handle.close()
             closed += 1
@@ -555,6 +554,20 @@ class KvWorkers:
         before = set(pool().workers)
         self.prestart(n)
         _speculative.update(set(pool().workers) - before)
+
+    def settle(self, n: int) -> int:
+        """After collection: the selected tests need up to n ranks (0: none).
+
+        Keeps the speculative workers those ranks use, closes the others, and
+        starts the rest now (their imports overlap the tests before KV-A).
+        Returns how many speculative workers were closed.
+        """
+        placements = rank_placements(n, self.device, self.gpu_ids) if n else []
+        keep = pool().keys(placements) if not isinstance(placements, str) else []
+        closed = drop_speculative(keep)
+        if n:
+            self.prestart(n)
+        return closed
 
     def __call__(self, n: int = 1) -> list[WorkerHandle]:
         import pytest

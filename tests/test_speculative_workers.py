@@ -53,15 +53,15 @@ def test_drop_speculative_closes_only_its_own(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(workers, "_pool", pool)
     monkeypatch.setattr(workers, "_speculative", {("cpu", 1)})
     other, mine = pool.workers[("cpu", 0)], pool.workers[("cpu", 1)]
-    assert workers.drop_speculative(used=False) == 1
+    assert workers.drop_speculative() == 1
     assert mine.closed and not other.closed
     assert list(pool.workers) == [("cpu", 0)]
-    assert workers.drop_speculative(used=False) == 0  # forgotten once decided
+    assert workers.drop_speculative() == 0  # forgotten once decided
 
 
-def test_drop_speculative_keeps_used_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_drop_speculative_keeps_needed_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = types.SimpleNamespace(workers={("cpu", 0): _Handle()})
     monkeypatch.setattr(workers, "_pool", pool)
     monkeypatch.setattr(workers, "_speculative", {("cpu", 0)})
-    assert workers.drop_speculative(used=True) == 0
+    assert workers.drop_speculative(keep=[("cpu", 0)]) == 0
     assert not pool.workers[("cpu", 0)].closed
