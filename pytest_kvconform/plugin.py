@@ -31,7 +31,18 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
-    """xdist sizes ``-n auto`` before pytest_configure; its hooks must be in by then."""
+    """xdist sizes ``-n auto`` before pytest_configure; its hooks must be in by then.
+
+    Only with ``--kv-conformance`` (or its ini key): a run with the plugin off imports
+    nothing more than this module and ``options`` (issue 12's plugin-off cost).
+    """
+    known = getattr(early_config, "known_args_namespace", None)
+    if not getattr(known, "kv_conformance", None):
+        try:
+            if not early_config.getini("kv_conformance"):
+                return
+        except ValueError:
+            return
     from pytest_kvconform.xdist_hooks import register_xdist_hooks
 
     register_xdist_hooks(early_config)
@@ -52,7 +63,40 @@ def pytest_configure(config: pytest.Config) -> None:
         exit_with_parent()
     from pytest_kvconform.session import KvSession
 
-    config.pluginmanager.register(KvSession(config, options, xfails=xfails), SESSION_PLUGIN)
+    session = KvSession(config, options, xfails=xfails)
+    config.pluginmanager.register(session, SESSION_PLUGIN)
+    _speculate_workers(config, options, session)
+
+
+def _speculate_workers(config: pytest.Config, options: Options, session: KvSession) -> None:
+    """Start the KV-A workers now if KV-A tests may be selected (issue 12).
+
+    Their ~20 s import then overlaps this process's own import and discovery on a
+    second core; :func:`pytest_collection_finish` drops them if no selected test needs
+    them.  Not on an xdist controller (it runs no test) nor for ``--collect-only``.
+    """
+    from pytest_kvconform import selection_guess
+
+    if (config.option.collectonly or getattr(config.option, "help", False)
+            or not selection_guess.may_select_adoption(config)):
+        return
+    from pytest_kvconform.workers import KvWorkers
+
+    # One worker: the selection may need no more (a second is started after collection).
+    KvWorkers(session.device, list(session.gpu_ids)).speculate(1)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Keep, drop or add KV-A workers for the largest world size the selection needs."""
+    plugin = session.config.pluginmanager.get_plugin(SESSION_PLUGIN)
+    if plugin is None:
+        return
+    from pytest_kvconform.workers import KvWorkers
+
+    params = [getattr(getattr(item, "callspec", None), "params", {}) for item in session.items
+              if "kv_workers" in getattr(item, "fixturenames", ())]
+    sizes = [p["kv_case"].world_size for p in params if "kv_case" in p]
+    KvWorkers(plugin.device, list(plugin.gpu_ids)).settle(max(sizes, default=0))
 
 
 def _startup_checks(options: Options) -> list[Any]:

@@ -500,6 +500,28 @@ def exit_with_parent() -> None:
     lifetime.watch_parent(os.getppid(), on_orphan=kill_all)
 
 
+# Workers started before collection on the guess that KV-A tests will be selected.
+_speculative: set[tuple[str, int]] = set()
+
+
+def drop_speculative(keep: Iterable[tuple[str, int]] = ()) -> int:
+    """After collection: close the speculatively started workers not in ``keep``.
+
+    Returns how many were closed.  Only workers this module started on speculation
+    are touched, never ones a pytester-hosting session is using.
+    """
+    keys = set(_speculative) - set(keep)
+    _speculative.clear()
+    closed = 0
+    workers = _pool.workers if _pool is not None else {}
+    for key in keys:
+        handle = workers.pop(key, None)
+        if handle is not None:
+            handle.close()
+            closed += 1
+    return closed
+
+
 class KvWorkers:
     """``kv_workers(n)``: n pooled worker processes, one per device, rank order.
 
@@ -522,6 +544,30 @@ class KvWorkers:
             if not isinstance(placements, str):
                 pool().prestart(placements)
                 return
+
+    def speculate(self, n: int) -> None:
+        """:meth:`prestart` before collection, while this process imports and discovers.
+
+        On a host with a spare core the workers' imports then cost no wall time; the
+        workers are dropped again by :func:`drop_speculative` if no selected test uses them.
+        """
+        before = set(pool().workers)
+        self.prestart(n)
+        _speculative.update(set(pool().workers) - before)
+
+    def settle(self, n: int) -> int:
+        """After collection: the selected tests need up to n ranks (0: none).
+
+        Keeps the speculative workers those ranks use, closes the others, and
+        starts the rest now (their imports overlap the tests before KV-A).
+        Returns how many speculative workers were closed.
+        """
+        placements = rank_placements(n, self.device, self.gpu_ids) if n else []
+        keep = pool().keys(placements) if not isinstance(placements, str) else []
+        closed = drop_speculative(keep)
+        if n:
+            self.prestart(n)
+        return closed
 
     def __call__(self, n: int = 1) -> list[WorkerHandle]:
         import pytest

@@ -1,0 +1,155 @@
+"""Issue 12's goals, measured side by side in one run, as ratios.
+
+Run in the default environment:  python benchmarks/bench_goals.py [--label L] [--repeat N]
+[--skip NAME ...] [-o FILE].  Each measurement is a fresh process (imports included):
+
+- ``floor``: a fresh interpreter importing ``vllm_omni.diffusion.diffusion_kv.layout``;
+- ``serial`` / ``xdist2``: the full ``pytest --kv-conformance`` suite, serial and ``-n 2``;
+- ``worker_start``: one pooled KV-A worker, spawn to ready (``WorkerPool.get``);
+- ``adopt_1`` / ``adopt_40``: ``-k "test_kv_a3 and TORCH_SDPA and perf_..."`` with a case file
+  of 40 world-size-1 cases (``perf_cases_plugin`` adds them to KV-A's cases), selecting 1
+  and all 40; the marginal case is their difference / 39;
+- ``off`` / ``no_plugin``: collecting 200 trivial tests with the plugin installed but off, and
+  with ``-p no:kvconform`` (alternated, median of ``--repeat``).
+
+The load average is recorded with every row (the machine is shared).  No timed assertions:
+this only measures and appends a table to benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FLOOR = "import vllm_omni.diffusion.diffusion_kv.layout"
+WORKER = ("import time; from pytest_kvconform import workers; t = time.perf_counter(); "
+          "workers.pool().get(['cpu']); print(time.perf_counter() - t); workers.close_pool()")
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "benchmarks"),
+                                       os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONPATH": path}
+
+
+def timed(cmd: list[str], cwd: str) -> tuple[float, int, int, str]:
+    """(seconds, peak RSS MiB of the largest descendant, exit code, last stdout line)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=_env())
+    seconds = time.perf_counter() - started
+    peak = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) // 1024
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return seconds, peak, proc.returncode, lines[-1] if lines else proc.stderr[-200:]
+
+
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def cases_file(tmp: str) -> str:
+    path = os.path.join(tmp, "perf_cases.toml")
+    body = ["[defaults]", "block_size = 16", "num_kv_heads = 2", "num_layers = 2",
+            "world_size = 1", 'dtype = "bfloat16"', "head_size = 8", ""]
+    for i in range(40):
+        body += ["[[case]]", f'id = "perf_{i:02d}"', f"num_pages = {16 + i}",
+                 'description = "issue 12: one more world-size-1 adoption case"', ""]
+    Path(path).write_text("\n".join(body), encoding="utf-8")
+    return path
+
+
+def trivial_tests(tmp: str) -> str:
+    path = os.path.join(tmp, "trivial")
+    os.makedirs(path, exist_ok=True)
+    Path(path, "test_trivial.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('i', range(200))\n"
+        "def test_t(i):\n    assert i >= 0\n", encoding="utf-8")
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--label", default="", help="e.g. before / after")
+    parser.add_argument("--repeat", type=int, default=7, help="plugin-off pairs")
+    parser.add_argument("--skip", action="append", default=[], help="skip a measurement")
+    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("RESULTS.md")))
+    args = parser.parse_args()
+    py = sys.executable
+    pytest = [py, "-m", "pytest", "-p", "no:cacheprovider", "-q"]
+    suite = [*pytest, "--kv-conformance"]
+    rows: list[tuple[str, float, int, int, str, str]] = []
+
+    def measure(name: str, cmd: list[str], cwd: str) -> float:
+        if name in args.skip:
+            return float("nan")
+        seconds, peak, code, last = timed(cmd, cwd)
+        rows.append((name, seconds, peak, code, load(), last))
+        print(f"{name}: {seconds:.1f}s peak {peak} MiB exit {code} load {load()} | {last}",
+              flush=True)
+        return seconds
+
+    with tempfile.TemporaryDirectory() as tmp:
+        floor = measure("floor", [py, "-c", FLOOR], tmp)
+        serial = measure("serial", suite, tmp)
+        xdist2 = measure("xdist2", [*suite, "-n", "2"], tmp)
+        start_s = float("nan")
+        if "worker_start" not in args.skip:
+            proc = subprocess.run([py, "-c", WORKER], cwd=tmp, capture_output=True, text=True,
+                                  env=_env())
+            start_s = float(proc.stdout.split()[-1]) if proc.returncode == 0 else float("nan")
+            rows.append(("worker_start", start_s, 0, proc.returncode, load(), "pool().get"))
+            print(f"worker_start: {start_s:.1f}s load {load()}", flush=True)
+        cases = cases_file(tmp)
+        adopt = [*suite, "-p", "perf_cases_plugin", "--kv-cases", cases, "-k"]
+        a1 = measure("adopt_1", [*adopt, "test_kv_a3 and TORCH_SDPA and perf_00"], tmp)
+        a40 = measure("adopt_40", [*adopt, "test_kv_a3 and TORCH_SDPA and perf_"], tmp)
+        trivial = trivial_tests(tmp)
+        off_t: list[float] = []
+        none_t: list[float] = []
+        if "off" not in args.skip:
+            for _ in range(args.repeat):
+                off_t.append(timed([*pytest, "--co", trivial], tmp)[0])
+                none_t.append(timed([*pytest, "--co", "-p", "no:kvconform", trivial], tmp)[0])
+            off, none = statistics.median(off_t), statistics.median(none_t)
+            rows.append(("off (median)", off, 0, 0, load(), f"{len(off_t)} runs"))
+            rows.append(("no_plugin (median)", none, 0, 0, load(), f"{len(none_t)} runs"))
+            print(f"off {off:.3f}s vs no plugin {none:.3f}s", flush=True)
+        else:
+            off = none = float("nan")
+
+    per_case = (a40 - a1) / 39
+    goals = [
+        ("serial / import floor", serial / floor, "<= 1.5"),
+        ("-n 2 / serial", xdist2 / serial, "<= 1.0"),
+        ("extra adoption case / worker start", per_case / start_s, "<= 0.02"),
+        ("plugin off / -p no:kvconform", off / none, "<= 1.02"),
+        ("peak RSS per process, MiB", max((r[2] for r in rows), default=0), "< 1024"),
+    ]
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    out = [f"\n## {stamp} — issue 12 goals{', ' + args.label if args.label else ''} "
+           f"({os.cpu_count()} cores)\n",
+           "| measurement | wall s | peak RSS MiB | exit | load 1/5/15 | last line |",
+           "|---|---|---|---|---|---|"]
+    out += [f"| {n} | {s:.2f} | {p or '-'} | {c} | {ld} | {last.replace('|', '/')} |"
+            for n, s, p, c, ld, last in rows]
+    out += ["", f"Marginal adoption case: ({a40:.1f} - {a1:.1f}) / 39 = {per_case:.3f} s.", "",
+            "| goal | measured | target |", "|---|---|---|"]
+    out += [f"| {g} | {v:.3f} | {t} |" for g, v, t in goals]
+    text = "\n".join(out) + "\n"
+    print(text)
+    with open(args.output, "a", encoding="utf-8") as f:
+        f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Issue 12: KV-A workers started before collection, and dropped when nothing uses them."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from pytest_kvconform import selection_guess, workers
+
+
+class _Config:
+    def __init__(self, **option: object) -> None:
+        self.option = types.SimpleNamespace(**option)
+
+    def getoption(self, name: str, default: object = None) -> object:
+        return getattr(self.option, name, default)
+
+    def getini(self, name: str) -> object:
+        raise ValueError(name)
+
+
+@pytest.mark.parametrize(("keyword", "expected"), [
+    ("", True),
+    ("kv_a", True),
+    ("kv_a3 and not seam", True),
+    ("test_kv_a3 and TORCH_SDPA and perf_00", True),
+    ("TORCH_SDPA", True),
+    ("kv_l", False),
+    ("kv_s or kv_n", False),
+    ("kv_a1", False),  # KV-A1 runs in this process: no worker
+])
+def test_may_select_adoption(keyword: str, expected: bool) -> None:
+    config = _Config(keyword=keyword, dist="no")
+    assert selection_guess.may_select_adoption(config) is expected, keyword
+
+
+def test_xdist_controller_never_speculates() -> None:
+    config = _Config(keyword="", dist="load", tx=["2*popen"], collectonly=False)
+    assert selection_guess.may_select_adoption(config) is False
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_drop_speculative_closes_only_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = types.SimpleNamespace(workers={("cpu", 0): _Handle(), ("cpu", 1): _Handle()})
+    monkeypatch.setattr(workers, "_pool", pool)
+    monkeypatch.setattr(workers, "_speculative", {("cpu", 1)})
+    other, mine = pool.workers[("cpu", 0)], pool.workers[("cpu", 1)]
+    assert workers.drop_speculative() == 1
+    assert mine.closed and not other.closed
+    assert list(pool.workers) == [("cpu", 0)]
+    assert workers.drop_speculative() == 0  # forgotten once decided
+
+
+def test_drop_speculative_keeps_needed_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = types.SimpleNamespace(workers={("cpu", 0): _Handle()})
+    monkeypatch.setattr(workers, "_pool", pool)
+    monkeypatch.setattr(workers, "_speculative", {("cpu", 0)})
+    assert workers.drop_speculative(keep=[("cpu", 0)]) == 0
+    assert not pool.workers[("cpu", 0)].closed
