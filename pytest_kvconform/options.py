@@ -42,7 +42,8 @@ def add_options(parser: pytest.Parser) -> None:
          "expected-failures file (TOML): matching tests become xfails", default=None,
          metavar="FILE", ini_type="string", ini_default="")
     both("--kv-strict", "kv_strict",
-         "qualification mode: an xpass fails, and a skip fails unless hardware is missing",
+         "qualification mode: an xpass or error fails, a partial run fails, and a skip fails "
+         "unless the clause table forgives its kind for that clause",
          action="store_true", default=None, ini_type="bool", ini_default=False)
     both("--kv-allow-oversubscribe", "kv_allow_oversubscribe",
          "allow more xdist workers than GPUs (workers then share devices)",

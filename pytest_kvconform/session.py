@@ -247,6 +247,8 @@ class KvSession:
             kind = dict(report.user_properties).get(ERROR_KIND_PROPERTY)
             if kind is None and (found := harness_kind(call.excinfo.value)) is not None:
                 kind = found.value
+                # On the item too: the teardown report (JUnit XML's properties) copies it.
+                item.user_properties.append((ERROR_KIND_PROPERTY, kind))
                 report.user_properties.append((ERROR_KIND_PROPERTY, kind))
         else:  # a fixture of the suite's failed: always the harness, never the backend
             kind = (harness_kind(call.excinfo.value) or ErrorKind.HARNESS).value

@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "workers")),
     ("checks", ("checks", "checks.*")),
     ("front", ("api", "report", "report_*", "xfails", "startup", "session", "session_*",
+               "selection_guess",
                "xdist_hooks", "plugin", "cli", "suite", "suite.*")),
 )
 
