@@ -10,14 +10,14 @@ Results are appended to benchmarks/RESULTS.md.  No timed assertions: this only m
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from results import append_table  # benchmarks/, the script's own directory
 
 PROBE = '''
 import sys
@@ -64,12 +64,8 @@ def main() -> int:
             message = (proc.stderr.strip().splitlines() or [""])[-1].replace("|", "\\|")
             rows.append(f"| {label} | {seconds:.2f} | {proc.returncode} | {heavy} | {message} |")
             print(rows[-1], flush=True)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    header = (f"\n## {stamp} — start-up refusals, {platform.node()}, {os.cpu_count()} cores\n\n"
-              "| case | wall s | exit | heavy modules imported | message |\n"
-              "|---|---|---|---|---|\n")
-    with open(args.output, "a", encoding="utf-8") as out:
-        out.write(header + "\n".join(rows) + "\n")
+    append_table(args.output, "start-up refusals",
+                 ("case", "wall s", "exit", "heavy modules imported", "message"), rows)
     return 0
 
 

@@ -9,15 +9,15 @@ benchmarks/RESULTS.md (or -o FILE).  No timed assertions: this only measures.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from results import append_table  # benchmarks/, the script's own directory
 
 SELECTIONS = {
     "import+discovery only": ["--collect-only", "-q", "-k", "kv_l1"],
@@ -57,13 +57,9 @@ def main() -> int:
         seconds, peak, code, last = run(selection, args.xdist)
         rows.append(f"| {name} | {seconds:.1f} | {peak} | {code} | {last} |")
         print(rows[-1], flush=True)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    header = (f"\n## {stamp} — {platform.node()}, {os.cpu_count()} cores, "
-              f"xdist={args.xdist or 'off'}\n\n"
-              "| selection | wall s | peak RSS MiB (largest process) | exit | summary |\n"
-              "|---|---|---|---|---|\n")
-    with open(args.output, "a", encoding="utf-8") as out:
-        out.write(header + "\n".join(rows) + "\n")
+    append_table(args.output, f"xdist={args.xdist or 'off'}",
+                 ("selection", "wall s", "peak RSS MiB (largest process)", "exit", "summary"),
+                 rows)
     return 0
 
 
