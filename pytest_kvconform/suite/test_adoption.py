@@ -23,17 +23,6 @@ multi_rank = pytest.mark.kv_cases.with_args(clauses.adoption_multi_rank)
 single_rank = pytest.mark.kv_cases.with_args(clauses.adoption_single_rank)
 
 
-@pytest.fixture(scope="module")
-def _warm_workers(request: pytest.FixtureRequest, kv_workers: Any) -> None:
-    """Start every worker the selected tests need at once: their imports overlap."""
-    params = [getattr(getattr(item, "callspec", None), "params", {})
-              for item in request.session.items
-              if getattr(item, "module", None) is request.module
-              and "_warm_workers" in getattr(item, "fixturenames", ())]
-    sizes = [p["kv_case"].world_size for p in params if "kv_case" in p]
-    kv_workers.prestart(max(sizes, default=1))
-
-
 def _ranks(kv_workers: Any, case: Case) -> Any:
     return kv_workers.for_world_size(case.world_size)
 
@@ -53,7 +42,6 @@ def test_kv_a1_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case
 
 
 @world_sizes
-@pytest.mark.usefixtures("_warm_workers")
 def test_kv_a2(request: pytest.FixtureRequest, kv_backend: BackendUnderTest, kv_case: Case,
                kv_workers: Any) -> None:
     """KV-A2 real process boundary, executor serialisation, unpinned worker."""
@@ -61,7 +49,6 @@ def test_kv_a2(request: pytest.FixtureRequest, kv_backend: BackendUnderTest, kv_
 
 
 @world_sizes
-@pytest.mark.usefixtures("_warm_workers")
 def test_kv_a2_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case,
                     kv_workers: Any) -> None:
     """KV-A2 through the explicit seam."""
@@ -69,7 +56,6 @@ def test_kv_a2_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case
 
 
 @world_sizes
-@pytest.mark.usefixtures("_warm_workers")
 def test_kv_a3(request: pytest.FixtureRequest, kv_backend: BackendUnderTest, kv_case: Case,
                kv_workers: Any) -> None:
     """KV-A3 adopt, init_kv_cache on the worker's device, bytes at oracle offsets."""
@@ -77,7 +63,6 @@ def test_kv_a3(request: pytest.FixtureRequest, kv_backend: BackendUnderTest, kv_
 
 
 @world_sizes
-@pytest.mark.usefixtures("_warm_workers")
 def test_kv_a3_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case,
                     kv_workers: Any) -> None:
     """KV-A3 through the explicit seam."""
@@ -85,7 +70,6 @@ def test_kv_a3_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case
 
 
 @world_sizes
-@pytest.mark.usefixtures("_warm_workers")
 def test_kv_a4(request: pytest.FixtureRequest, kv_backend: BackendUnderTest, kv_case: Case,
                kv_workers: Any) -> None:
     """KV-A4 negative controls: no adoption, and a worker pinned elsewhere."""
@@ -93,7 +77,6 @@ def test_kv_a4(request: pytest.FixtureRequest, kv_backend: BackendUnderTest, kv_
 
 
 @world_sizes
-@pytest.mark.usefixtures("_warm_workers")
 def test_kv_a4_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case,
                     kv_workers: Any) -> None:
     """KV-A4 through the explicit seam."""
@@ -101,7 +84,6 @@ def test_kv_a4_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case
 
 
 @multi_rank
-@pytest.mark.usefixtures("_warm_workers")
 def test_kv_a5(request: pytest.FixtureRequest, kv_backend: BackendUnderTest, kv_case: Case,
                kv_workers: Any) -> None:
     """KV-A5 N > 1 ranks, each its own process and config."""
@@ -109,7 +91,6 @@ def test_kv_a5(request: pytest.FixtureRequest, kv_backend: BackendUnderTest, kv_
 
 
 @multi_rank
-@pytest.mark.usefixtures("_warm_workers")
 def test_kv_a5_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case,
                     kv_workers: Any) -> None:
     """KV-A5 through the explicit seam."""
