@@ -6,7 +6,7 @@ Stdlib only: every other module may import this one; it imports only the bottom
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -94,3 +94,29 @@ class Case:
         if self.expected_usable_blocks is not None:
             return self.expected_usable_blocks
         return self.num_pages - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ResultRow:
+    """One suite test's result, as the session collects it during the run.
+
+    A typed row inside the session; :meth:`as_dict` is the edge to the report,
+    which works on mappings because it also reads reports back from files.
+    """
+
+    nodeid: str
+    backend: str | None
+    clause: str
+    case: str | None
+    layout: str | None
+    device: str | None
+    status: str  # passed, failed, skipped, error, xfailed, xpassed
+    reason: str
+    duration_s: float
+    skip_kind: str | None  # a ClauseSkip's kind (SKIP_KIND_PROPERTY)
+    xfail: str | None  # the describe() of the expected-failure entry that matched
+    error_kind: str | None  # an ErrorKind value, for error and xfailed rows only
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as the report and its JSON hold it (keys in field order)."""
+        return asdict(self)
