@@ -22,6 +22,16 @@ KV_ARGS = ("--kv-conformance", "-p", "no:cacheprovider", "-p", "no:xdist", "-p",
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pytest_kvconform"
 _SERVING_STACK = ("torch", "vllm", "vllm_omni")
+# Imported inside the serving stack's functions when a check calls them (and by the
+# hypothesis plugin an inline run loads): found with
+# tests/test_inline_runs.py, which names any module a run still imports anew.
+LAZY_IMPORTS = (
+    "hypothesis", "torch.distributed._tensor", "vllm.distributed.ec_transfer.ec_connector.utils",
+    "vllm.v1.executor", "vllm_omni.diffusion.distributed", "vllm_omni.diffusion.hooks",
+    "vllm_omni.diffusion.model_loader.checkpoint_adapters",
+    "vllm_omni.diffusion.model_loader.host_weight_plan", "vllm_omni.diffusion.models.interface",
+    "vllm_omni.diffusion.offloader",
+)
 
 
 def _production_modules_named_in_the_package() -> set[str]:
@@ -43,7 +53,8 @@ def import_what_runs_import() -> None:
     without this each run re-imports vLLM and vllm-omni (tens of seconds), and
     re-running their registrations in one process crashes.  What is imported
     before pytester takes its snapshot stays: the package's own modules, every
-    production module it names (lazy imports too), and every registry backend.
+    production module it names (lazy imports too), every registry backend, vLLM's
+    general plugins (vllm-omni's), and :data:`LAZY_IMPORTS`.
     """
     for info in pkgutil.walk_packages([str(PACKAGE)], "pytest_kvconform."):
         if not info.name.rpartition(".")[2].startswith("test_"):  # the suite's test modules
@@ -52,14 +63,17 @@ def import_what_runs_import() -> None:
         return
     with warnings.catch_warnings():  # the serving stack's import-time deprecations
         warnings.simplefilter("ignore")
-        for name in sorted(_production_modules_named_in_the_package()):
+        for name in [*sorted(_production_modules_named_in_the_package()), *LAZY_IMPORTS]:
             try:
                 importlib.import_module(name)
             except ImportError:  # an optional module the package feature-detects
                 pass
+        from vllm.plugins import load_general_plugins
+
         from pytest_kvconform import discovery
 
         discovery.registry_backends()  # imports each member's class (and what it imports)
+        load_general_plugins()  # vllm-omni's model registrations, once per process
 
 
 @pytest.fixture(scope="session")
