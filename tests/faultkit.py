@@ -152,8 +152,18 @@ def _start(workdir: Path, args: Sequence[str], extra_env: dict[str, str] | None 
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", *BASE_ARGS, *args], cwd=workdir, text=True,
         env=_env(piddir, extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True)
+        start_new_session=True, preexec_fn=_interruptible)
     return proc, piddir
+
+
+def _interruptible() -> None:
+    """In the child before exec: SIGINT back to its default, as in a terminal.
+
+    A job started in the background by a non-interactive shell (``cmd &``, as a
+    benchmark often is) inherits SIGINT *ignored*; Python then installs no
+    KeyboardInterrupt handler, and the scenarios' Ctrl-C would never arrive.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _finish(name: str, proc: subprocess.Popen[str], piddir: Path, started: float,
