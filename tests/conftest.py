@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
-import sys
-import sysconfig
-from collections.abc import Callable
+import pkgutil
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from _pytest import pytester as _pytester_mod
+
+from tests.seeding import Seeder
 
 HAVE_OMNI = importlib.util.find_spec("vllm_omni") is not None
 needs_omni = pytest.mark.skipif(not HAVE_OMNI, reason="vllm-omni not installed")
@@ -17,9 +20,79 @@ needs_omni = pytest.mark.skipif(not HAVE_OMNI, reason="vllm-omni not installed")
 # Inline pytester runs of the conformance suite: quiet, no cache, no xdist.
 KV_ARGS = ("--kv-conformance", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly")
 
+PACKAGE = Path(__file__).resolve().parents[1] / "pytest_kvconform"
+_SERVING_STACK = ("torch", "vllm", "vllm_omni")
+# Imported inside the serving stack's functions when a check calls them (and by the
+# hypothesis plugin an inline run loads): found with
+# tests/test_inline_runs.py, which names any module a run still imports anew.
+LAZY_IMPORTS = (
+    "hypothesis", "torch.distributed._tensor", "vllm.distributed.ec_transfer.ec_connector.utils",
+    "vllm.v1.executor", "vllm_omni.diffusion.distributed", "vllm_omni.diffusion.hooks",
+    "vllm_omni.diffusion.model_loader.checkpoint_adapters",
+    "vllm_omni.diffusion.model_loader.host_weight_plan", "vllm_omni.diffusion.models.interface",
+    "vllm_omni.diffusion.offloader",
+)
+
+
+def _production_modules_named_in_the_package() -> set[str]:
+    """Every torch / vLLM / vllm-omni module the package imports, lazy imports included."""
+    names: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+    return {n for n in names if n.partition(".")[0] in _SERVING_STACK}
+
+
+def import_what_runs_import() -> None:
+    """Import up front what an inline ``--kv-conformance`` run would import.
+
+    pytester drops every module an inline run imported once the run is over, so
+    without this each run re-imports vLLM and vllm-omni (tens of seconds), and
+    re-running their registrations in one process may crash it.  What is imported
+    before pytester takes its snapshot stays: the package's own modules, every
+    production module it names (lazy imports too), every registry backend, vLLM's
+    general plugins (vllm-omni's), and :data:`LAZY_IMPORTS`.
+    """
+    for info in pkgutil.walk_packages([str(PACKAGE)], "pytest_kvconform."):
+        if info.name.rpartition(".")[2].startswith("test_"):  # the suite's test modules
+            continue                                           # are the run's to collect
+        try:
+            importlib.import_module(info.name)
+        except ImportError:  # a module that needs the serving stack, absent here
+            pass
+    if not HAVE_OMNI:
+        return
+    with warnings.catch_warnings():  # the serving stack's import-time deprecations
+        warnings.simplefilter("ignore")
+        for name in [*sorted(_production_modules_named_in_the_package()), *LAZY_IMPORTS]:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # an optional module the package feature-detects
+                pass
+        from vllm.plugins import load_general_plugins
+
+        from pytest_kvconform import discovery
+
+        discovery.registry_backends()  # imports each member's class (and what it imports)
+        load_general_plugins()  # vllm-omni's model registrations, once per process
+
+
+@pytest.fixture(scope="session")
+def _run_imports_done() -> None:
+    import_what_runs_import()
+
 
 @pytest.fixture
-def kv_run(pytester: pytest.Pytester):
+def pytester(_run_imports_done: None, pytester: pytest.Pytester) -> pytest.Pytester:
+    """pytester, its module snapshot taken after the serving stack is imported."""
+    return pytester
+
+
+@pytest.fixture
+def kv_run(pytester: pytest.Pytester) -> Callable[..., pytest.RunResult]:
     """Run the conformance suite inline in the pytester directory."""
 
     def run(*args: str) -> pytest.RunResult:
@@ -28,37 +101,7 @@ def kv_run(pytester: pytest.Pytester):
     return run
 
 
-_KEEP_ROOTS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
-                                                        "platlib")} |
-                    {str(Path(__file__).resolve().parents[1] / "pytest_kvconform")})
-
-
-class _KeepInstalledModules(_pytester_mod.SysModulesSnapshot):
-    """Inline runs keep installed packages imported.
-
-    pytester drops every module an inline run imported; re-importing torch,
-    vLLM or vllm-omni in the same process re-registers native operators and
-    crashes.  Only modules from the pytester directories are dropped.
-    """
-
-    def __init__(self, preserve: Callable[[str], bool] | None = None) -> None:
-        def keep(name: str) -> bool:
-            if preserve is not None and preserve(name):
-                return True
-            top = sys.modules.get(name.partition(".")[0])
-            file = getattr(top, "__file__", None) or ""
-            paths = [str(p) for p in getattr(top, "__path__", [])]
-            return any(f.startswith(_KEEP_ROOTS) for f in [file, *paths] if f)
-
-        super().__init__(preserve=keep)
-
-
-_ORIGINAL_SNAPSHOT = _pytester_mod.SysModulesSnapshot
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    _pytester_mod.SysModulesSnapshot = _KeepInstalledModules  # type: ignore[misc]
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    _pytester_mod.SysModulesSnapshot = _ORIGINAL_SNAPSHOT  # type: ignore[misc]
+@pytest.fixture
+def seed(monkeypatch: pytest.MonkeyPatch) -> Iterator[Seeder]:
+    """Plants faults in production code for this test (undone after it)."""
+    yield Seeder(monkeypatch)

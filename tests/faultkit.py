@@ -24,6 +24,8 @@ from typing import Any
 
 from pytest_kvconform import report as report_mod
 from pytest_kvconform.workers import PIDDIR_ENV
+from tests.seeding import backends_conftest
+from tests.standin_backends import Blocking, Good
 
 ROOT = Path(__file__).resolve().parents[1]
 LEAK_GRACE_S = 5.0  # the issue's bound: nothing is left 5 s after a kill
@@ -45,26 +47,8 @@ def _seeded_fault(request, monkeypatch):
             break
 '''
 
-BLOCKING_BACKEND = '''
-import time
-
-
-class Blocking:
-    @classmethod
-    def indexes_kv_by_block_stride(cls):
-        time.sleep(300)  # a declaration that blocks for minutes
-        return False
-
-
-class Good:
-    @classmethod
-    def indexes_kv_by_block_stride(cls):
-        return False
-
-
-def pytest_kvconform_backends(config):
-    return {"BLOCKING": Blocking, "GOOD": Good}
-'''
+# A backend whose declaration blocks for minutes, next to one that passes.
+BLOCKING_BACKEND = backends_conftest({"BLOCKING": Blocking, "GOOD": Good})
 
 
 @dataclass

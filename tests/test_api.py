@@ -14,27 +14,14 @@ import pytest
 
 import pytest_kvconform
 from pytest_kvconform import api, workers
-from pytest_kvconform.checks import layout
 from pytest_kvconform.model import BackendUnderTest
 from pytest_kvconform.outcomes import ClauseSkip, ErrorKind, HarnessError, SkipKind
 from tests.conftest import needs_omni
+from tests.seeding import Seeder
+from tests.standin_backends import Good, IntFlag
 
 ROOT = Path(__file__).resolve().parents[1]
 COLLECTED = ROOT / "tests" / "data" / "collected_ids.txt"
-
-
-class DeclaresAnInt:
-    """A backend whose declaration is truthy but not a bool (KV-L1 must say so)."""
-
-    @classmethod
-    def indexes_kv_by_block_stride(cls) -> int:
-        return 1
-
-
-class DeclaresFalse:
-    @classmethod
-    def indexes_kv_by_block_stride(cls) -> bool:
-        return False
 
 
 def test_the_package_exports_it_lazily() -> None:
@@ -45,16 +32,16 @@ def test_the_package_exports_it_lazily() -> None:
 
 
 def test_seeded_non_bool_declaration_fails_kv_l1_with_the_details() -> None:
-    [result] = api.check_backend(DeclaresAnInt, clauses=["KV-L1"], device="cpu")
-    assert (result.clause, result.status, result.backend) == ("KV-L1", "failed", "DeclaresAnInt")
-    assert result.test == "test_kv_l1[DeclaresAnInt]"
-    assert "KV-L1 violated [backend=DeclaresAnInt]" in result.message
+    [result] = api.check_backend(IntFlag, clauses=["KV-L1"], device="cpu")
+    assert (result.clause, result.status, result.backend) == ("KV-L1", "failed", "IntFlag")
+    assert result.test == "test_kv_l1[IntFlag]"
+    assert "KV-L1 violated [backend=IntFlag]" in result.message
     assert "expected: 'bool'" in result.message and "actual:   'int'" in result.message
     assert not result.ok
 
 
 def test_a_clean_declaration_passes_kv_l1() -> None:
-    [result] = api.check_backend(DeclaresFalse, clauses=["KV-L1"], device="cpu")
+    [result] = api.check_backend(Good, clauses=["KV-L1"], device="cpu")
     assert (result.status, result.message, result.skip_kind) == ("passed", "", None)
     assert result.ok
 
@@ -73,14 +60,13 @@ def test_an_unimportable_backend_is_a_backend_skip() -> None:
     (HarnessError("worker 3 timed out", kind=ErrorKind.TIMEOUT), "error", ErrorKind.TIMEOUT),
     (ClauseSkip("KV-L1", "no CUDA here", SkipKind.HARDWARE), "skipped", None),
 ])
-def test_every_outcome_of_a_check_is_a_result(monkeypatch: pytest.MonkeyPatch,
-                                              raised: Exception, status: str,
+def test_every_outcome_of_a_check_is_a_result(seed: Seeder, raised: Exception, status: str,
                                               kind: ErrorKind | None) -> None:
     def check(backend: BackendUnderTest) -> None:
         raise raised
 
-    monkeypatch.setattr(layout, "check_kv_l1", check)
-    [result] = api.check_backend(DeclaresFalse, clauses=["KV-L1"], device="cpu")
+    seed.replace("pytest_kvconform.checks.layout.check_kv_l1", check)
+    [result] = api.check_backend(Good, clauses=["KV-L1"], device="cpu")
     assert (result.status, result.error_kind) == (status, kind)
     assert str(raised) in result.message
     if status == "skipped":
@@ -96,11 +82,11 @@ def test_every_outcome_of_a_check_is_a_result(monkeypatch: pytest.MonkeyPatch,
 ])
 def test_bad_input_is_one_clear_error(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        api.check_backend(DeclaresFalse, **kwargs)  # type: ignore[arg-type]
+        api.check_backend(Good, **kwargs)  # type: ignore[arg-type]
 
 
 def test_a_clause_left_without_cases_is_reported_not_dropped() -> None:
-    results = api.check_backend(DeclaresFalse, cases=["bf16_h8"], clauses=["KV-S5", "KV-L1"],
+    results = api.check_backend(Good, cases=["bf16_h8"], clauses=["KV-S5", "KV-L1"],
                                 device="cpu")
     assert [(r.clause, r.status) for r in results] == [("KV-L1", "passed"), ("KV-S5", "skipped")]
     s5 = results[1]
@@ -172,14 +158,13 @@ def test_check_backend_in_a_plain_interpreter() -> None:
 
 
 @needs_omni
-def test_adoption_clauses_run_in_workers_and_see_a_seeded_fault(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_adoption_clauses_run_in_workers_and_see_a_seeded_fault(seed: Seeder) -> None:
     """KV-A3 passes; with the worker writing at a wrong offset it fails; no worker is left."""
     [clean] = api.check_backend("TORCH_SDPA", cases=["bf16_h8"], clauses=["KV-A3"],
                                 device="cpu")
     assert (clean.status, clean.test) == ("passed", "test_kv_a3[TORCH_SDPA-bf16_h8]"), clean
     assert multiprocessing.active_children() == [] and workers._pool is None
-    monkeypatch.setenv(workers.FAULT_ENV, "wrong_offset")
+    seed.worker_fault("wrong_offset")
     [faulty] = api.check_backend("TORCH_SDPA", cases=["bf16_h8"], clauses=["KV-A3"],
                                  device="cpu")
     assert faulty.status == "failed", faulty

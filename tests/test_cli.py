@@ -10,28 +10,18 @@ import pytest
 
 from pytest_kvconform import report as rp
 from pytest_kvconform.cli import main
+from tests.report_rows import backend_record, build, environment, row
 
 
 def make_report(host: str, status_l7: str, *, skip_kind: str | None = None) -> dict[str, Any]:
     results = [
-        {"nodeid": "t.py::test_kv_l1[FLASH_ATTN]", "backend": "FLASH_ATTN", "clause": "KV-L1",
-         "case": None, "layout": None, "device": "cpu", "status": "passed", "reason": None,
-         "duration_s": 0.1},
-        {"nodeid": "t.py::test_kv_l7[FLASH_ATTN]", "backend": "FLASH_ATTN", "clause": "KV-L7",
-         "case": None, "layout": None, "device": "cuda:0", "status": status_l7,
-         "reason": "no CUDA device" if status_l7 == "skipped" else None, "duration_s": 0.2,
-         "skip_kind": skip_kind},
+        row("t.py::test_kv_l1[FLASH_ATTN]", backend="FLASH_ATTN"),
+        row("t.py::test_kv_l7[FLASH_ATTN]", "KV-L7", status_l7, backend="FLASH_ATTN",
+            device="cuda:0", reason="no CUDA device" if status_l7 == "skipped" else None,
+            duration_s=0.2, skip_kind=skip_kind),
     ]
-    env = {
-        "python": "3.11.7", "torch": "2.13.0", "vllm": "0.30.0", "vllm_omni": "0.30.0",
-        "platform": "Linux", "host": host, "options": {}, "seed": None,
-        "devices": [{"name": "cpu", "memory_bytes": None, "driver": None, "cuda": None}],
-    }
-    backends = [{"name": "FLASH_ATTN", "path": "m:F", "source": "registry", "overridden": False,
-                 "importable": True, "reason": None}]
-    selection = rp.selection_record(backends=["FLASH_ATTN"], collected=2, selected=2)
-    return rp.build_report(environment=env, backends=backends, results=results, options={},
-                           strict=True, selection=selection)
+    backends = [backend_record("FLASH_ATTN", "m:F", "registry")]
+    return build(results, env=environment(host=host), backends=backends)
 
 
 def dump(path: Path, obj: Any) -> Path:

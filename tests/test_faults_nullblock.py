@@ -1,7 +1,7 @@
 """Seeded faults for the KV-N clauses: each turns exactly its clauses red.
 
-The suite runs inline, in this process, so a fault planted with this test's
-``monkeypatch`` (on the module attribute production reads at call time) is
+The suite runs inline, in this process, so a fault planted with ``seed``
+(``tests/seeding.py``; on the module attribute production reads at call time) is
 live for the run and undone after it.  The unpatched selection runs too, so
 no clause fails by construction.  KV-N3 restates KV-N2's numbers under an
 override, so a fault in the shared sizing path fails both, on purpose.
@@ -14,18 +14,17 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.model import clause_from_test_name
 from tests.conftest import needs_omni
+from tests.seeding import Seeder, expect_run, literal
 
 pytestmark = needs_omni
 
 SELECT = ("-k", "kv_n and bf16_h8")
 CLAUSES = ("KV-N1", "KV-N2", "KV-N3", "KV-N4", "KV-N5")
-
-
-def _literal(text: str) -> str:
-    """An fnmatch pattern: ``*`` stays a wildcard, ``[`` and ``?`` are literal."""
-    return text.replace("[", "[[]").replace("?", "[?]")
+GET_NEW_BLOCKS = "vllm.v1.core.block_pool.BlockPool.get_new_blocks"
+KV_CACHE_UTILS = "vllm.v1.core.kv_cache_utils"
+# get_kv_cache_configs where vllm-omni's control plane looks it up.
+RANK_SIZING = "vllm_omni.diffusion.diffusion_kv.initialization.get_kv_cache_configs"
 
 
 def _run(kv_run: Callable[..., pytest.RunResult], failing: dict[str, tuple[str, ...]]) -> None:
@@ -35,16 +34,12 @@ def _run(kv_run: Callable[..., pytest.RunResult], failing: dict[str, tuple[str, 
     ones (``expected:``/``actual:``) are matched in order below it.
     """
     result = kv_run(*SELECT)
-    _passed, skipped, failed = result.reprec.listoutcomes()  # type: ignore[attr-defined]
-    got = sorted(str(clause_from_test_name(r.nodeid.rsplit("::", 1)[-1])) for r in failed)
-    assert got == sorted(failing), result.stdout.str()[-3000:]
-    assert not skipped
-    result.assert_outcomes(failed=len(failing), passed=len(CLAUSES) - len(failing))
     lines: list[str] = []
     for clause, (first, *rest) in sorted(failing.items()):
-        lines.append(_literal(f"*{clause} violated [case=bf16_h8*{first}*"))
-        lines.extend(_literal(f"*{line}*") for line in rest)
-    result.stdout.fnmatch_lines(lines, consecutive=False)
+        lines.append(literal(f"*{clause} violated [case=bf16_h8*{first}*"))
+        lines.extend(literal(f"*{line}*") for line in rest)
+    expect_run(result, failed=len(failing), passed=len(CLAUSES) - len(failing),
+               clauses=failing, lines=lines)
 
 
 def test_unpatched_selection_passes(kv_run: Callable[..., pytest.RunResult]) -> None:
@@ -52,41 +47,39 @@ def test_unpatched_selection_passes(kv_run: Callable[..., pytest.RunResult]) -> 
 
 
 def test_n1_pool_handing_out_the_null_block(kv_run: Callable[..., pytest.RunResult],
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+                                             seed: Seeder) -> None:
     """The pool counts the null block as free: one block more than it may hand out."""
-    from vllm.v1.core.block_pool import BlockPool
 
-    original = BlockPool.get_new_blocks
+    def make(original: Any) -> Any:
+        def leaky(self: Any, num_blocks: int) -> list[Any]:
+            if num_blocks == self.get_num_free_blocks() + 1:
+                return [*original(self, num_blocks - 1), self.null_block]
+            return original(self, num_blocks)
+        return leaky
 
-    def leaky(self: Any, num_blocks: int) -> list[Any]:
-        if num_blocks == self.get_num_free_blocks() + 1:
-            return [*original(self, num_blocks - 1), self.null_block]
-        return original(self, num_blocks)
-
-    monkeypatch.setattr(BlockPool, "get_new_blocks", leaky)
+    seed.wrap(GET_NEW_BLOCKS, make)
     _run(kv_run, {"KV-N1": ("did not raise: it handed out block ids [0] (the null block)",)})
 
 
 def test_n1_pool_crashing_when_exhausted(kv_run: Callable[..., pytest.RunResult],
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+                                         seed: Seeder) -> None:
     """An exhausted pool crashes with a RuntimeError: not the ValueError of a refusal."""
-    from vllm.v1.core.block_pool import BlockPool
 
-    original = BlockPool.get_new_blocks
+    def make(original: Any) -> Any:
+        def crashing(self: Any, num_blocks: int) -> list[Any]:
+            if num_blocks > self.get_num_free_blocks():
+                raise RuntimeError("free list corrupted")
+            return original(self, num_blocks)
+        return crashing
 
-    def crashing(self: Any, num_blocks: int) -> list[Any]:
-        if num_blocks > self.get_num_free_blocks():
-            raise RuntimeError("free list corrupted")
-        return original(self, num_blocks)
-
-    monkeypatch.setattr(BlockPool, "get_new_blocks", crashing)
+    seed.wrap(GET_NEW_BLOCKS, make)
     _run(kv_run, {"KV-N1": ("raised RuntimeError: free list corrupted, not the ValueError of "
                             "an exhausted pool", "expected: 'ValueError'",
                             "actual:   'RuntimeError: free list corrupted'")})
 
 
 def test_sizing_forgetting_the_null_block(kv_run: Callable[..., pytest.RunResult],
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+                                          seed: Seeder) -> None:
     """The pre-0.29 sizing: auto-fit and admission both count the null block as usable.
 
     Planted in the two helpers ``get_kv_cache_configs`` hands its null-block
@@ -106,8 +99,8 @@ def test_sizing_forgetting_the_null_block(kv_run: Callable[..., pytest.RunResult
         groups = needed.args[1]  # partial(_max_memory_usage_bytes_from_groups, cfg, groups)
         check(available + per_block(groups), needed, max_model_len, estimate)
 
-    monkeypatch.setattr(kv_cache_utils, "_auto_fit_max_model_len", forgetful_fit)
-    monkeypatch.setattr(kv_cache_utils, "_check_enough_kv_cache_memory", forgetful_check)
+    seed.replace(f"{KV_CACHE_UTILS}._auto_fit_max_model_len", forgetful_fit)
+    seed.replace(f"{KV_CACHE_UTILS}._check_enough_kv_cache_memory", forgetful_check)
     _run(kv_run, {"KV-N2": ("auto-fit max_model_len must plan for the 15 usable", "expected: 240",
                             "actual:   256"),
                   "KV-N3": ("num_gpu_blocks_override=16: auto-fit", "expected: 240",
@@ -115,28 +108,26 @@ def test_sizing_forgetting_the_null_block(kv_run: Callable[..., pytest.RunResult
                   "KV-N4": ("memory for 1 page was accepted", "actual:   'num_blocks=1")})
 
 
-def test_n3_override_ignored(kv_run: Callable[..., pytest.RunResult],
-                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_n3_override_ignored(kv_run: Callable[..., pytest.RunResult], seed: Seeder) -> None:
     """The control plane sizes from profiled memory and drops num_gpu_blocks_override."""
-    from vllm_omni.diffusion.diffusion_kv import initialization
 
-    original = initialization.get_kv_cache_configs
+    def make(original: Any) -> Any:
+        def ignoring(vllm_config: Any, specs: Any, memory: list[int]) -> Any:
+            cache_config = vllm_config.cache_config
+            saved = cache_config.num_gpu_blocks_override
+            cache_config.num_gpu_blocks_override = None
+            try:
+                return original(vllm_config, specs, memory)
+            finally:
+                cache_config.num_gpu_blocks_override = saved
+        return ignoring
 
-    def ignoring(vllm_config: Any, specs: Any, memory: list[int]) -> Any:
-        cache_config = vllm_config.cache_config
-        saved, cache_config.num_gpu_blocks_override = cache_config.num_gpu_blocks_override, None
-        try:
-            return original(vllm_config, specs, memory)
-        finally:
-            cache_config.num_gpu_blocks_override = saved
-
-    monkeypatch.setattr(initialization, "get_kv_cache_configs", ignoring)
+    seed.wrap(RANK_SIZING, make)
     _run(kv_run, {"KV-N3": ("memory for 37 pages with num_gpu_blocks_override=16: rank 0's "
                             "KVCacheConfig.num_blocks", "expected: 16", "actual:   37")})
 
 
-def test_n4_missing_refusal(kv_run: Callable[..., pytest.RunResult],
-                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_n4_missing_refusal(kv_run: Callable[..., pytest.RunResult], seed: Seeder) -> None:
     """No memory left after the null block is waved through instead of refused."""
     from vllm.v1.core import kv_cache_utils
 
@@ -153,37 +144,35 @@ def test_n4_missing_refusal(kv_run: Callable[..., pytest.RunResult],
         except ValueError:
             vllm_config.model_config.max_model_len = 1
 
-    monkeypatch.setattr(kv_cache_utils, "_check_enough_kv_cache_memory", lax_check)
-    monkeypatch.setattr(kv_cache_utils, "_auto_fit_max_model_len", lax_fit)
+    seed.replace(f"{KV_CACHE_UTILS}._check_enough_kv_cache_memory", lax_check)
+    seed.replace(f"{KV_CACHE_UTILS}._auto_fit_max_model_len", lax_fit)
     _run(kv_run, {"KV-N4": ("memory for 1 page was accepted: a config with no usable block",)})
 
 
-def _patch_rank_sizing(monkeypatch: pytest.MonkeyPatch,
+def _patch_rank_sizing(seed: Seeder,
                        resize: Callable[[Any, Any, list[int], Any], list[Any]]) -> None:
-    from vllm_omni.diffusion.diffusion_kv import initialization
+    def make(original: Any) -> Any:
+        def faulty(vllm_config: Any, specs: Any, memory: list[int]) -> list[Any]:
+            return resize(vllm_config, specs, memory, original)
+        return faulty
 
-    original = initialization.get_kv_cache_configs
-
-    def faulty(vllm_config: Any, specs: Any, memory: list[int]) -> list[Any]:
-        return resize(vllm_config, specs, memory, original)
-
-    monkeypatch.setattr(initialization, "get_kv_cache_configs", faulty)
+    seed.wrap(RANK_SIZING, make)
 
 
 def test_n5_ranks_sized_for_the_largest(kv_run: Callable[..., pytest.RunResult],
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                        seed: Seeder) -> None:
     """Every rank gets the largest rank's memory instead of the smallest's."""
 
     def largest(vllm_config: Any, specs: Any, memory: list[int], original: Any) -> list[Any]:
         return original(vllm_config, specs, [max(memory)] * len(memory))
 
-    _patch_rank_sizing(monkeypatch, largest)
+    _patch_rank_sizing(seed, largest)
     _run(kv_run, {"KV-N5": ("every rank must get the smallest num_blocks; rank 0", "expected: 16",
                             "actual:   23")})
 
 
 def test_n5_ranks_not_shrinking_tensors(kv_run: Callable[..., pytest.RunResult],
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                        seed: Seeder) -> None:
     """Ranks take the minimum count but keep tensors sized for their own memory."""
 
     def unshrunk(vllm_config: Any, specs: Any, memory: list[int], original: Any) -> list[Any]:
@@ -193,6 +182,6 @@ def test_n5_ranks_not_shrinking_tensors(kv_run: Callable[..., pytest.RunResult],
             config.num_blocks = smallest
         return configs
 
-    _patch_rank_sizing(monkeypatch, unshrunk)
+    _patch_rank_sizing(seed, unshrunk)
     _run(kv_run, {"KV-N5": ("rank 0 (memory for 19 pages) kv_cache_tensors[0].size must shrink "
                             "to 16", "expected: 32768", "actual:   38912")})

@@ -2,7 +2,8 @@
 misread fails naming the first wrong block, and FLASH_ATTN skips on CPU for its kernel.
 
 The stand-ins (``tests/paged_standins.py``) are registered through the plugin's hook
-in a pytester conftest, as a backend repository would register its own.
+in a pytester conftest (``tests/seeding.py``), as a backend repository would register
+its own; the allocation fault is planted with ``seed``.
 """
 
 from __future__ import annotations
@@ -12,28 +13,28 @@ import itertools
 import pytest
 
 from tests.conftest import needs_omni
+from tests.seeding import Seeder, backend_args, expect_run, register_backends
 
 pytestmark = needs_omni
 
-CONFTEST = "from tests.paged_standins import pytest_kvconform_backends  # noqa: F401\n"
 
+def _backends(pytester: pytest.Pytester, *names: str) -> list[str]:
+    """Register the named stand-ins (registry members pass through) and select them."""
+    from tests.paged_standins import STANDINS
 
-def _backends(*names: str) -> list[str]:
-    return [arg for name in names for arg in ("--kv-backend", name)]
+    register_backends(pytester, {n: STANDINS[n] for n in names if n in STANDINS})
+    return backend_args(*names)
 
 
 def test_l7_conforming_standins_pass_on_cpu(kv_run, pytester: pytest.Pytester) -> None:
-    pytester.makeconftest(CONFTEST)
-    result = kv_run("-k", "kv_l7", *_backends("PAGED_OK", "PAGED_OK_BS"), "-rA")
-    result.assert_outcomes(passed=2)
+    result = kv_run("-k", "kv_l7", *_backends(pytester, "PAGED_OK", "PAGED_OK_BS"), "-rA")
+    expect_run(result, passed=2)
 
 
 def test_l7_misreads_fail_naming_first_wrong_block(kv_run, pytester: pytest.Pytester) -> None:
-    pytester.makeconftest(CONFTEST)
-    result = kv_run("-k", "kv_l7",
-                    *_backends("PAGED_NO_TABLE", "PAGED_BAD_STRIDE", "PAGED_TRUNCATES"))
-    result.assert_outcomes(failed=3)
-    result.stdout.fnmatch_lines_random([
+    result = kv_run("-k", "kv_l7", *_backends(pytester, "PAGED_NO_TABLE", "PAGED_BAD_STRIDE",
+                                              "PAGED_TRUNCATES"))
+    expect_run(result, failed=3, clauses=["KV-L7"] * 3, in_order=False, lines=[
         "*KV-L7 violated [[]backend=PAGED_NO_TABLE, case=l7_f32, layout=LBHNC[]]*request 0*"
         "first block whose output differs: logical block 0 (physical block *max abs error*"
         "> tolerance 0.001 for float32*",
@@ -45,11 +46,9 @@ def test_l7_misreads_fail_naming_first_wrong_block(kv_run, pytester: pytest.Pyte
 
 
 def test_l7_skips_by_kernel_device_on_cpu(kv_run, pytester: pytest.Pytester) -> None:
-    pytester.makeconftest(CONFTEST)
     result = kv_run("-k", "kv_l7", "-rs", "--kv-device", "cpu",
-                    *_backends("FLASH_ATTN", "TORCH_SDPA", "PAGED_CUDA_ONLY"))
-    result.assert_outcomes(skipped=3)
-    result.stdout.fnmatch_lines_random([
+                    *_backends(pytester, "FLASH_ATTN", "TORCH_SDPA", "PAGED_CUDA_ONLY"))
+    expect_run(result, skipped=3, in_order=False, lines=[
         "SKIPPED*KV-L7: needs the backend's kernel device (CUDA): FLASH_ATTN's paged path "
         "runs vLLM's native paged kernels*which needs CUDA*",
         "SKIPPED*KV-L7: the backend does not declare supports_paged_kv*",
@@ -82,9 +81,8 @@ def test_l7_layouts_follow_the_declared_need() -> None:
     assert sorted(accepted) == ["BHLNC", "BLHNC", "BLNHC"]
 
 
-def test_l7_setup_failure_is_a_harness_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_l7_setup_failure_is_a_harness_error(seed: Seeder) -> None:
     """Production allocation failing is the harness's problem, never the backend's."""
-    from pytest_kvconform import compat
     from pytest_kvconform.checks import paged
     from pytest_kvconform.model import BackendUnderTest
     from pytest_kvconform.outcomes import ClauseFailure, HarnessError
@@ -93,7 +91,7 @@ def test_l7_setup_failure_is_a_harness_error(monkeypatch: pytest.MonkeyPatch) ->
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("allocator exploded")
 
-    monkeypatch.setattr(compat, "init_kv_cache", broken)
+    seed.replace("pytest_kvconform.compat.init_kv_cache", broken)
     backend = BackendUnderTest("PAGED_OK", "tests.paged_standins:PagedOk", "hook", cls=PagedOk)
     with pytest.raises(HarnessError, match="allocator exploded") as info:
         paged.check_kv_l7(backend, "cpu")

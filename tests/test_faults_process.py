@@ -32,7 +32,8 @@ from pytest_kvconform.model import BackendUnderTest
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
 from tests import faultkit
 from tests.conftest import needs_omni
-from tests.standin_backends import GOOD_AND_INT_FLAG_CONFTEST
+from tests.seeding import register_backends
+from tests.standin_backends import GOOD_AND_INT_FLAG
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
                                 reason="PID checks read /proc (Linux)")
@@ -355,7 +356,6 @@ def test_killed_run_leaves_no_process(tmp_path: Path, xdist: bool, sig: int) -> 
 
 # --- determinism --------------------------------------------------------------------
 
-DETERMINISM_BACKENDS = GOOD_AND_INT_FLAG_CONFTEST
 DETERMINISM_SELECT = ("--kv-backend", "GOOD", "--kv-backend", "INT_FLAG", "-k",
                       "kv_l1 or kv_l2 or (kv_a2 and bf16_h8 and not seam) or (kv_n2 and bf16)")
 _VOLATILE = re.compile(r"duration|seconds|time|_at$|started|finished|date", re.I)
@@ -381,7 +381,7 @@ def _shared_workers() -> Iterator[None]:
 @pytest.mark.usefixtures("_shared_workers")
 @pytest.mark.parametrize("xdist", [False, True], ids=["serial", "xdist"])
 def test_same_inputs_give_the_same_report(pytester: pytest.Pytester, xdist: bool) -> None:
-    pytester.makeconftest(DETERMINISM_BACKENDS)
+    register_backends(pytester, GOOD_AND_INT_FLAG)
     extra = ("-n", "2") if xdist else ("-p", "no:xdist")
     reports = []
     for run in (1, 2):

@@ -1,129 +1,118 @@
 """Seeded faults in production stride code: each fails exactly its KV-S clause.
 
-Each conftest monkeypatches a production function where production code looks it up;
-the same selection without the fault must pass, so no clause fails by construction.
+Each fault is planted with ``seed`` (``tests/seeding.py``) where production code looks
+the function up; the same selection without the fault must pass, so no clause fails by
+construction.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from tests.conftest import needs_omni
+from tests.seeding import Seeder, expect_run
 
 pytestmark = needs_omni
 
-# S1/S3: strides written by hand for layer-outermost layouts, whatever the layout.
-HAND_STRIDES = '''
-import pytest
-from vllm.v1.kv_cache_interface import KVCacheTensor
+BUILD_TENSOR = "vllm_omni.diffusion.diffusion_kv.layout.build_kv_cache_tensor"
+# create_kv_cache_views where tests and where allocate_kv_cache look it up.
+VIEWS = "vllm.v1.kv_cache_interface.create_kv_cache_views"
+VIEWS_IN_ALLOCATE = "vllm.v1.worker.utils.create_kv_cache_views"
 
-def hand_strides(spec, num_blocks, layers, *, layout=None, offset=0):
-    page = spec.page_size_bytes
-    return KVCacheTensor(size=page * len(layers) * num_blocks, layers=list(layers),
-                         layer_stride=page * num_blocks, block_stride=page, offset=offset)
 
-@pytest.fixture(autouse=True)
-def fault(monkeypatch):
-    monkeypatch.setattr("vllm_omni.diffusion.diffusion_kv.layout.build_kv_cache_tensor",
-                        hand_strides)
-'''
+def hand_strides(seed: Seeder) -> None:
+    """S1/S3: strides written by hand for layer-outermost layouts, whatever the layout."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor
 
-# S2: every view starts one page late (both where tests and allocate_kv_cache look it up).
-VIEW_OFFSET = '''
-import dataclasses
-import pytest
-import vllm.v1.kv_cache_interface as kvi
+    def strides(spec: Any, num_blocks: int, layers: Any, *, layout: Any = None,
+                offset: int = 0) -> Any:
+        page = spec.page_size_bytes
+        return KVCacheTensor(size=page * len(layers) * num_blocks, layers=list(layers),
+                             layer_stride=page * num_blocks, block_stride=page, offset=offset)
 
-ORIGINAL = kvi.create_kv_cache_views
+    seed.replace(BUILD_TENSOR, strides)
 
-def one_page_late(raw, spec, num_blocks, layout, tensor, kernel_block_size=None):
-    moved = dataclasses.replace(tensor, offset=tensor.offset + spec.page_size_bytes)
-    return ORIGINAL(raw, spec, num_blocks, layout, moved, kernel_block_size)
 
-@pytest.fixture(autouse=True)
-def fault(monkeypatch):
-    for where in TARGETS:
-        monkeypatch.setattr(where, one_page_late)
-'''
+def _one_page_late(original: Any) -> Any:
+    def views(raw: Any, spec: Any, num_blocks: int, layout: Any, tensor: Any,
+              kernel_block_size: int | None = None) -> Any:
+        moved = dataclasses.replace(tensor, offset=tensor.offset + spec.page_size_bytes)
+        return original(raw, spec, num_blocks, layout, moved, kernel_block_size)
+    return views
 
-# S4: the padding of a padded page is dropped when the tensor is derived.
-PADDED_AS_DENSE = '''
-import dataclasses
-import pytest
-import vllm_omni.diffusion.diffusion_kv.layout as omni_layout
 
-ORIGINAL = omni_layout.build_kv_cache_tensor
+def view_offset(seed: Seeder) -> None:
+    """S2: every view starts one page late."""
+    for where in (VIEWS, VIEWS_IN_ALLOCATE):
+        seed.wrap(where, _one_page_late)
 
-def as_dense(spec, num_blocks, layers, *, layout=None, offset=0):
-    dense = dataclasses.replace(spec, page_size_padded=None)
-    return ORIGINAL(dense, num_blocks, layers, layout=layout, offset=offset)
 
-@pytest.fixture(autouse=True)
-def fault(monkeypatch):
-    monkeypatch.setattr(omni_layout, "build_kv_cache_tensor", as_dense)
-'''
+def view_offset_allocate(seed: Seeder) -> None:
+    """S2: the views allocate_kv_cache makes start one page late."""
+    seed.wrap(VIEWS_IN_ALLOCATE, _one_page_late)
 
-# S5: with several groups, layer l+1 starts one block after layer l: one group aliases itself.
-ALIAS_IN_GROUP = '''
-import pytest
-import vllm.v1.core.kv_cache_utils as kcu
 
-ORIGINAL = kcu.get_kv_cache_config_from_groups
+def padded_as_dense(seed: Seeder) -> None:
+    """S4: the padding of a padded page is dropped when the tensor is derived."""
+    def make(original: Any) -> Any:
+        def as_dense(spec: Any, num_blocks: int, layers: Any, *, layout: Any = None,
+                     offset: int = 0) -> Any:
+            dense = dataclasses.replace(spec, page_size_padded=None)
+            return original(dense, num_blocks, layers, layout=layout, offset=offset)
+        return as_dense
 
-def aliasing(vllm_config, groups, available_memory):
-    config = ORIGINAL(vllm_config, groups, available_memory)
-    if len(groups) > 1:
-        for tensor in config.kv_cache_tensors:
-            tensor.layer_stride = tensor.block_stride
-    return config
+    seed.wrap(BUILD_TENSOR, make)
 
-@pytest.fixture(autouse=True)
-def fault(monkeypatch):
-    monkeypatch.setattr(kcu, "get_kv_cache_config_from_groups", aliasing)
-'''
+
+def alias_in_group(seed: Seeder) -> None:
+    """S5: with several groups, layer l+1 starts one block after layer l: one group
+    aliases itself."""
+    def make(original: Any) -> Any:
+        def aliasing(vllm_config: Any, groups: Any, available_memory: Any) -> Any:
+            config = original(vllm_config, groups, available_memory)
+            if len(groups) > 1:
+                for tensor in config.kv_cache_tensors:
+                    tensor.layer_stride = tensor.block_stride
+            return config
+        return aliasing
+
+    seed.wrap("vllm.v1.core.kv_cache_utils.get_kv_cache_config_from_groups", make)
+
 
 # S4: an unrelated ValueError where the documented error is due must not count as it:
 # for padded pages in the tensor derivation, for kernel splitting in the views.
-UNRELATED_PADDED = '''
-import pytest
-import vllm_omni.diffusion.diffusion_kv.layout as omni_layout
+def unrelated_padded(seed: Seeder) -> None:
+    def make(original: Any) -> Any:
+        def buggy(spec: Any, num_blocks: int, layers: Any, *, layout: Any = None,
+                  offset: int = 0) -> Any:
+            if spec.page_size_padded is not None:
+                raise ValueError("unrelated bug")
+            return original(spec, num_blocks, layers, layout=layout, offset=offset)
+        return buggy
 
-ORIGINAL = omni_layout.build_kv_cache_tensor
-
-def buggy(spec, num_blocks, layers, *, layout=None, offset=0):
-    if spec.page_size_padded is not None:
-        raise ValueError("unrelated bug")
-    return ORIGINAL(spec, num_blocks, layers, layout=layout, offset=offset)
-
-@pytest.fixture(autouse=True)
-def fault(monkeypatch):
-    monkeypatch.setattr(omni_layout, "build_kv_cache_tensor", buggy)
-'''
-
-UNRELATED_SPLIT = '''
-import pytest
-import vllm.v1.kv_cache_interface as kvi
-
-ORIGINAL = kvi.create_kv_cache_views
-
-def buggy(raw, spec, num_blocks, layout, tensor, kernel_block_size=None):
-    if kernel_block_size is not None and kernel_block_size < spec.block_size:
-        raise ValueError("unrelated bug")
-    return ORIGINAL(raw, spec, num_blocks, layout, tensor, kernel_block_size)
-
-@pytest.fixture(autouse=True)
-def fault(monkeypatch):
-    for where in ("vllm.v1.kv_cache_interface.create_kv_cache_views",
-                  "vllm.v1.worker.utils.create_kv_cache_views"):
-        monkeypatch.setattr(where, buggy)
-'''
+    seed.wrap(BUILD_TENSOR, make)
 
 
-@dataclass(frozen=True)
+def unrelated_split(seed: Seeder) -> None:
+    def make(original: Any) -> Any:
+        def buggy(raw: Any, spec: Any, num_blocks: int, layout: Any, tensor: Any,
+                  kernel_block_size: int | None = None) -> Any:
+            if kernel_block_size is not None and kernel_block_size < spec.block_size:
+                raise ValueError("unrelated bug")
+            return original(raw, spec, num_blocks, layout, tensor, kernel_block_size)
+        return buggy
+
+    for where in (VIEWS, VIEWS_IN_ALLOCATE):
+        seed.wrap(where, make)
+
+
+@dataclasses.dataclass(frozen=True)
 class Fault:
-    conftest: str
+    plant: Callable[[Seeder], None]
     select: str
     failed: int
     passed: int
@@ -132,42 +121,41 @@ class Fault:
 
 FAULTS = {
     "hand_strides": Fault(
-        HAND_STRIDES, "(kv_s1 or kv_s2 or kv_s3) and bf16_h8 and (LBNHC or BLNHC)", 2, 6,
+        hand_strides, "(kv_s1 or kv_s2 or kv_s3) and bf16_h8 and (LBNHC or BLNHC)", 2, 6,
         ("*KV-S1 violated [[]case=bf16_h8, layout=BLNHC[]]: vllm-omni build_kv_cache_tensor: "
          "KVCacheTensor.layer_stride differs from the oracle*",
          "*expected: {'layer_stride': 1024}*", "*actual:   {'layer_stride': 16384}*",
          "*KV-S3 violated [[]case=bf16_h8, layout=BLNHC[]]: vllm-omni build_kv_cache_tensor: "
          "block_stride must be page_size * num_layers = 1024 * 2*")),
     "view_offset": Fault(
-        VIEW_OFFSET.replace("TARGETS", '("vllm.v1.kv_cache_interface.create_kv_cache_views", '
-                            '"vllm.v1.worker.utils.create_kv_cache_views")'),
+        view_offset,
         "(kv_s1 or kv_s2 or kv_s3) and bf16_h8 and LBNHC", 2, 2,
         ("*KV-S2 violated [[]case=bf16_h8, layout=LBNHC[]]: create_kv_cache_views: cell "
          "(layer=1, block=15, head=0, token=0, byte=0) lies outside the allocation [[]0, 32768)*",
          "*expected: 'byte 31744'*", "*actual:   'byte 32768'*")),
     "view_offset_allocate": Fault(
-        VIEW_OFFSET.replace("TARGETS", '("vllm.v1.worker.utils.create_kv_cache_views",)'),
+        view_offset_allocate,
         "kv_s2 and bf16_h8 and LBNHC", 1, 1,
         ("*KV-S2 violated [[]case=bf16_h8, layout=LBNHC[]]: allocate_kv_cache: raised*",)),
     "padded_as_dense": Fault(
-        PADDED_AS_DENSE, "(kv_s1 or kv_s3 or kv_s4) and (bf16_h8 or padded) and LBNHC", 1, 2,
+        padded_as_dense, "(kv_s1 or kv_s3 or kv_s4) and (bf16_h8 or padded) and LBNHC", 1, 2,
         ("*KV-S4 violated [[]case=padded, layout=LBNHC[]]: vllm-omni build_kv_cache_tensor: "
          "KVCacheTensor.size differs from the oracle*",
          "*expected: {'size': 49152}*", "*actual:   {'size': 32768}*")),
     "unrelated_padded": Fault(
-        UNRELATED_PADDED, "kv_s4 and padded and (LHBNC or BHLNC)", 2, 0,
+        unrelated_padded, "kv_s4 and padded and (LHBNC or BHLNC)", 2, 0,
         ("*KV-S4 violated [[]case=padded, layout=BHLNC[]]: vllm-omni build_kv_cache_tensor + "
          "create_kv_cache_views: raised ValueError: unrelated bug, not the documented error*",
          "*expected: \"AssertionError containing 'Page padding requires'\"*",
          "*actual:   'ValueError: unrelated bug'*")),
     "unrelated_split": Fault(
-        UNRELATED_SPLIT, "kv_s4 and split_k8 and (LHBNC or BLNHC)", 2, 0,
+        unrelated_split, "kv_s4 and split_k8 and (LHBNC or BLNHC)", 2, 0,
         ("*KV-S4 violated [[]case=split_k8, layout=BLNHC[]]: vllm-omni build_kv_cache_tensor + "
          "create_kv_cache_views: raised ValueError: unrelated bug, not the documented error*",
          "*expected: \"ValueError containing 'does not store blocks as dense, unpadded "
          "pages'\"*", "*actual:   'ValueError: unrelated bug'*")),
     "alias_in_group": Fault(
-        ALIAS_IN_GROUP, "(kv_s1 or kv_s5) and (bf16_h8 or groups2) and LBNHC", 1, 1,
+        alias_in_group, "(kv_s1 or kv_s5) and (bf16_h8 or groups2) and LBNHC", 1, 1,
         ("*KV-S5 violated [[]case=groups2, layout=LBNHC[]]: control plane get_kv_cache_configs "
          "-> allocate_kv_cache, group 0: cells (layer=0, block=1, head=0, token=0, byte=0) and "
          "(layer=1, block=0, head=0, token=0, byte=0) of one group share byte 1024*",)),
@@ -175,12 +163,11 @@ FAULTS = {
 
 
 @pytest.mark.parametrize("name", list(FAULTS))
-def test_fault_fails_its_clause(pytester: pytest.Pytester, kv_run, name: str) -> None:
+def test_fault_fails_its_clause(seed: Seeder, kv_run, name: str) -> None:
     fault = FAULTS[name]
-    pytester.makeconftest(fault.conftest)
+    fault.plant(seed)
     result = kv_run("-k", fault.select)
-    result.assert_outcomes(failed=fault.failed, passed=fault.passed)
-    result.stdout.fnmatch_lines(list(fault.lines))
+    expect_run(result, failed=fault.failed, passed=fault.passed, lines=fault.lines)
 
 
 @pytest.mark.parametrize("select", sorted({f.select for f in FAULTS.values()}))

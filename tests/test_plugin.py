@@ -7,27 +7,16 @@ import textwrap
 import pytest
 
 from tests.conftest import needs_omni
+from tests.seeding import register_backends
+from tests.standin_backends import Good, GoodBlockStride, IntFlag
 
 REGISTRY = [
     "CUDNN_ATTN", "FASTVIDEO_VSA", "FLASHINFER_ATTN", "FLASH_ATTN", "FLASH_ATTN_3_HUB",
     "FLASH_ATTN_HUB", "RAINFUSION_ATTN", "SAGE_ATTN", "SAGE_ATTN_3", "TORCH_SDPA", "TRTLLM_ATTN",
 ]
 
-FAKE_BACKENDS = '''
-class GoodBlockStride:
-    @classmethod
-    def indexes_kv_by_block_stride(cls):
-        return True
-
-class IntNotBool:
-    @classmethod
-    def indexes_kv_by_block_stride(cls):
-        return 1
-
-def pytest_kvconform_backends(config):
-    return {"GOOD_BS": GoodBlockStride, "INT_FLAG": IntNotBool,
-            "MISSING": "no_such_module_kvc:Backend"}
-'''
+FAKE_BACKENDS = {"GOOD_BS": GoodBlockStride, "INT_FLAG": IntFlag,
+                 "MISSING": "no_such_module_kvc:Backend"}
 
 
 def test_off_means_free(pytester: pytest.Pytester) -> None:
@@ -83,7 +72,7 @@ def test_unknown_backend_is_usage_error(kv_run) -> None:
 
 
 def test_hook_backends_and_bad_flag(pytester: pytest.Pytester, kv_run) -> None:
-    pytester.makeconftest(FAKE_BACKENDS)
+    register_backends(pytester, FAKE_BACKENDS)
     result = kv_run("-rs", "-k", "kv_l1", "--kv-backend", "GOOD_BS", "--kv-backend", "INT_FLAG",
                     "--kv-backend", "MISSING")
     result.assert_outcomes(passed=1, failed=1, skipped=1)
@@ -122,15 +111,7 @@ def test_entry_point_backend(pytester: pytest.Pytester, kv_run,
 
 
 def test_duplicate_backend_name_is_usage_error(pytester: pytest.Pytester, kv_run) -> None:
-    pytester.makeconftest('''
-        class A:
-            @classmethod
-            def indexes_kv_by_block_stride(cls):
-                return False
-
-        def pytest_kvconform_backends(config):
-            return {"TORCH_SDPA": A}
-    ''')
+    register_backends(pytester, {"TORCH_SDPA": Good})
     result = kv_run()
     if result.ret == pytest.ExitCode.USAGE_ERROR:
         result.stderr.fnmatch_lines(["*backend name 'TORCH_SDPA' is defined twice*"])
@@ -154,15 +135,7 @@ def test_bad_device_option(kv_run) -> None:
 
 def test_ini_keys_enable_the_suite(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\nkv_conformance = true\nkv_backend = ONLY\n")
-    pytester.makeconftest('''
-        class Only:
-            @classmethod
-            def indexes_kv_by_block_stride(cls):
-                return False
-
-        def pytest_kvconform_backends(config):
-            return {"ONLY": Only}
-    ''')
+    register_backends(pytester, {"ONLY": Good})
     result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:xdist", "-q",
                                 "--collect-only", "-k", "kv_l1")
     result.stdout.fnmatch_lines(["*test_kv_l1[[]ONLY[]]*"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import subprocess
 import sys
@@ -15,44 +16,14 @@ from pytest_kvconform import CONTRACT_VERSION
 from pytest_kvconform import devices as dev
 from pytest_kvconform import report as rp
 from pytest_kvconform.model import BackendUnderTest
+from tests import report_rows
+from tests.report_rows import environment, row
 
+# Rows of FLASH_ATTN's results unless told otherwise; skip_kind always present.
+result = functools.partial(row, backend="FLASH_ATTN", duration_s=0.25, skip_kind=None)
 
-def result(
-    nodeid: str,
-    clause: str,
-    status: str,
-    *,
-    backend: str | None = "FLASH_ATTN",
-    case: str | None = None,
-    layout: str | None = None,
-    reason: str | None = None,
-    skip_kind: str | None = None,
-) -> dict[str, Any]:
-    return {
-        "nodeid": nodeid,
-        "backend": backend,
-        "clause": clause,
-        "case": case,
-        "layout": layout,
-        "device": "cpu",
-        "status": status,
-        "reason": reason,
-        "duration_s": 0.25,
-        "skip_kind": skip_kind,
-    }
-
-
-ENV = {
-    "python": "3.11.7",
-    "torch": "2.13.0",
-    "vllm": "0.30.0",
-    "vllm_omni": None,
-    "platform": "Linux-x86_64",
-    "devices": [{"name": "cpu", "memory_bytes": 2**34, "driver": None, "cuda": None}],
-    "host": "box-a",
-    "options": {},
-    "seed": 7,
-}
+ENV = environment(vllm_omni=None, platform="Linux-x86_64", host="box-a", seed=7, devices=[
+    {"name": "cpu", "memory_bytes": 2**34, "driver": None, "cuda": None}])
 
 BACKENDS = [
     BackendUnderTest(name="FLASH_ATTN", path="omni.flash:FlashBackend", source="registry"),
@@ -89,23 +60,12 @@ def sample_results() -> list[dict[str, Any]]:
 RUN = rp.run_record(run_id="run-a", started="2026-12-03T07:00:00Z", duration_s=1.5)
 
 
-def complete(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The selection of a run that selected (and ran) every suite test it collected."""
-    n = rp.ran_count(results)
-    return rp.selection_record(backends=[b.name for b in BACKENDS], collected=n, selected=n)
-
-
 def build(results: list[dict[str, Any]] | None = None, strict: bool = False) -> dict[str, Any]:
+    """The sample results (or ``results``) as a complete run of :data:`BACKENDS`."""
     results = sample_results() if results is None else results
-    return rp.build_report(
-        environment=ENV,
-        backends=BACKENDS,
-        results=results,
-        options={"kv_strict": strict, "kv_report": Path("out/r.json")},
-        strict=strict,
-        selection=complete(results),
-        run=RUN,
-    )
+    options = {"kv_strict": strict, "kv_report": Path("out/r.json")}
+    return report_rows.build(results, strict=strict, env=ENV, backends=BACKENDS,
+                             options=options, run=RUN)
 
 
 # --------------------------------------------------------------------------- build + schema
@@ -302,8 +262,7 @@ def test_markdown_shares_footnotes_and_escapes_pipes() -> None:
 
     backends = [{"name": "ODD", "path": "m:C", "source": "hook", "overridden": True,
                  "importable": False, "reason": "bad | worse"}]
-    report = rp.build_report(environment=ENV, backends=backends, results=results, options={},
-                             strict=False, selection=complete(results), run=RUN)
+    report = report_rows.build(results, strict=False, env=ENV, backends=backends, run=RUN)
     table_row = next(line for line in rp.render_markdown(report).splitlines()
                      if line.startswith("| ODD | hook"))
     assert table_row == "| ODD | hook | m:C | True | False | bad \\| worse |"

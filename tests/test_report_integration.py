@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import report
-from tests.standin_backends import GOOD_AND_INT_FLAG_CONFTEST
+from tests.seeding import register_backends
+from tests.standin_backends import GOOD_AND_INT_FLAG, Good
 
-BACKENDS = GOOD_AND_INT_FLAG_CONFTEST
 # The one expected failure most tests declare: INT_FLAG's KV-L1.
 INT_FLAG_ENTRY = '''
 [[xfail]]
@@ -28,7 +28,7 @@ def _results(path: Path) -> list[dict[str, Any]]:
 
 
 def test_report_json_and_markdown(pytester: pytest.Pytester, kv_run) -> None:
-    pytester.makeconftest(BACKENDS)
+    register_backends(pytester, GOOD_AND_INT_FLAG)
     result = kv_run(*SELECT, "--kv-report", "r.json")
     result.assert_outcomes(passed=1, failed=1)
     data = json.loads((pytester.path / "r.json").read_text())
@@ -45,7 +45,7 @@ def test_report_json_and_markdown(pytester: pytest.Pytester, kv_run) -> None:
 
 
 def test_report_is_the_same_under_xdist(pytester: pytest.Pytester, kv_run) -> None:
-    pytester.makeconftest(BACKENDS)
+    register_backends(pytester, GOOD_AND_INT_FLAG)
     serial = kv_run(*SELECT, "--kv-report", "serial.json")
     serial.assert_outcomes(passed=1, failed=1)
     parallel = pytester.runpytest("--kv-conformance", "-p", "no:cacheprovider", *SELECT,
@@ -55,7 +55,7 @@ def test_report_is_the_same_under_xdist(pytester: pytest.Pytester, kv_run) -> No
 
 
 def test_xfails_match_and_stale_entry_warned(pytester: pytest.Pytester, kv_run) -> None:
-    pytester.makeconftest(BACKENDS)
+    register_backends(pytester, GOOD_AND_INT_FLAG)
     xf = pytester.makefile(".toml", known=INT_FLAG_ENTRY + '''
         [[xfail]]
         backend = "NOT_THERE"
@@ -72,7 +72,7 @@ def test_xfails_match_and_stale_entry_warned(pytester: pytest.Pytester, kv_run) 
 
 def test_strict_mode_fails_on_xpass_and_names_verdict(pytester: pytest.Pytester,
                                                       kv_run) -> None:
-    pytester.makeconftest(BACKENDS)
+    register_backends(pytester, GOOD_AND_INT_FLAG)
     xf = pytester.makefile(".toml", known='''
         [[xfail]]
         backend = "GOOD"
@@ -86,14 +86,14 @@ def test_strict_mode_fails_on_xpass_and_names_verdict(pytester: pytest.Pytester,
 
 
 def test_strict_mode_forgives_missing_hardware_only(pytester: pytest.Pytester, kv_run) -> None:
-    pytester.makeconftest(BACKENDS.replace('"INT_FLAG": IntFlag', '"BROKEN": "no_mod_q:X"'))
+    register_backends(pytester, {"GOOD": Good, "BROKEN": "no_mod_q:X"})
     result = kv_run("-k", "kv_l1", "--kv-backend", "BROKEN", "--kv-strict")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*verdict: not qualified*"])
 
 
 def test_junit_properties(pytester: pytest.Pytester, kv_run) -> None:
-    pytester.makeconftest(BACKENDS)
+    register_backends(pytester, GOOD_AND_INT_FLAG)
     kv_run(*SELECT, "--junitxml", "j.xml")
     xml = (pytester.path / "j.xml").read_text()
     assert '<property name="kv_clause" value="KV-L1"' in xml
@@ -103,7 +103,7 @@ def test_junit_properties(pytester: pytest.Pytester, kv_run) -> None:
 def test_deselected_or_unselected_entries_are_not_stale(pytester: pytest.Pytester,
                                                         kv_run) -> None:
     """-k deselection and --kv-backend selection never make an entry look stale."""
-    pytester.makeconftest(BACKENDS)
+    register_backends(pytester, GOOD_AND_INT_FLAG)
     xf = pytester.makefile(".toml", known=INT_FLAG_ENTRY + '''
         [[xfail]]
         backend = "GOOD"
@@ -116,7 +116,7 @@ def test_deselected_or_unselected_entries_are_not_stale(pytester: pytest.Pyteste
 
 
 def test_stale_detection_under_xdist(pytester: pytest.Pytester) -> None:
-    pytester.makeconftest(BACKENDS)
+    register_backends(pytester, GOOD_AND_INT_FLAG)
     xf = pytester.makefile(".toml", known=INT_FLAG_ENTRY + '''
         [[xfail]]
         backend = "*"

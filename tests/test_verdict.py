@@ -20,31 +20,9 @@ from pytest_kvconform import report as rp
 from pytest_kvconform.cli import main
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
 from tests.conftest import KV_ARGS, needs_omni
-
-ENV = {
-    "python": "3.11.7", "torch": "2.13.0", "vllm": "0.30.0", "vllm_omni": "0.30.0",
-    "platform": "Linux", "host": "box", "options": {}, "seed": None,
-    "devices": [{"name": "cpu", "memory_bytes": None, "driver": None, "cuda": None}],
-}
-BACKENDS = [{"name": "GOOD", "path": "m:G", "source": "hook", "overridden": False,
-             "importable": True, "reason": None}]
-
-
-def row(nodeid: str, status: str = "passed", **extra: Any) -> dict[str, Any]:
-    return {"nodeid": nodeid, "backend": "GOOD", "clause": "KV-L1", "case": None,
-            "layout": None, "device": "cpu", "status": status, "reason": None,
-            "duration_s": 0.1, **extra}
-
-
-def build(results: list[dict[str, Any]], *, strict: bool = True, **selection: Any
-          ) -> dict[str, Any]:
-    n = rp.ran_count(results)
-    fields = {"backends": ["GOOD"], "collected": n, "selected": n, **selection}
-    run = rp.run_record(interruption=selection.pop("interruption", None))
-    fields.pop("interruption", None)
-    return rp.build_report(environment=ENV, backends=BACKENDS, results=results, options={},
-                           strict=strict, selection=rp.selection_record(**fields), run=run)
-
+from tests.report_rows import ENVIRONMENT, backend_record, build, row
+from tests.seeding import backends_conftest
+from tests.standin_backends import Good
 
 # --------------------------------------------------------------------------- verdict
 
@@ -75,8 +53,8 @@ def test_left_out_parts_make_the_run_partial(selection: dict[str, Any], phrase: 
 
 
 def test_unrecorded_selection_is_at_best_partial() -> None:
-    report = rp.build_report(environment=ENV, backends=BACKENDS, results=[row("a")],
-                             options={}, strict=True)
+    report = rp.build_report(environment=ENVIRONMENT, backends=[backend_record()],
+                             results=[row("a")], options={}, strict=True)
     assert report["selection"] is None
     assert report["verdict"] == "partial"
 
@@ -85,7 +63,8 @@ def test_interruption_wins_and_missing_results_mean_interrupted() -> None:
     stopped = build([row("a")], interruption="KeyboardInterrupt")
     assert stopped["verdict"] == "interrupted"
     assert "Interrupted: KeyboardInterrupt." in rp.render_markdown(stopped)
-    failed_then_stopped = build([row("a", "failed")], interruption="stopping after 1 failures")
+    failed_then_stopped = build([row("a", status="failed")],
+                                interruption="stopping after 1 failures")
     assert failed_then_stopped["verdict"] == "interrupted"
     short = build([row("a")], collected=3, selected=3)  # two selected tests never reported
     assert short["verdict"] == "interrupted"
@@ -94,8 +73,8 @@ def test_interruption_wins_and_missing_results_mean_interrupted() -> None:
 
 
 def test_failure_in_a_partial_run_is_not_qualified() -> None:
-    assert build([row("a", "failed")], keyword="kv_l1", collected=9, selected=1)["verdict"] == (
-        "not qualified")
+    report = build([row("a", status="failed")], keyword="kv_l1", collected=9, selected=1)
+    assert report["verdict"] == "not qualified"
 
 
 def test_more_results_than_selected_tests_is_refused() -> None:
@@ -149,7 +128,7 @@ def test_merged_verdict_is_the_worst_host() -> None:
 
 
 def test_error_rows_carry_their_kind() -> None:
-    results = [row("a"), row("b", "error", error_kind="worker-died",
+    results = [row("a"), row("b", status="error", error_kind="worker-died",
                              reason="worker pid 7 died (exit code -9)")]
     report = build(results, strict=False)
     assert report["verdict"] == "not qualified"
@@ -157,7 +136,8 @@ def test_error_rows_carry_their_kind() -> None:
     assert "| GOOD | error 1/2[^1] |" in md
     assert "[^1]: error (worker-died): worker pid 7 died (exit code -9)" in md
     assert "Harness errors (E; the harness failed, not the backend): worker-died 1." in md
-    assert rp.render_terminal_matrix(report["results"], BACKENDS)[1].split() == ["GOOD", "E"]
+    matrix = rp.render_terminal_matrix(report["results"], [backend_record()])
+    assert matrix[1].split() == ["GOOD", "E"]
     bad = json.loads(json.dumps(report))
     bad["results"][1]["error_kind"] = "gremlins"
     with pytest.raises(rp.ReportError, match=r"error_kind: expected one of worker-died"):
@@ -284,19 +264,8 @@ def test_reports_are_written_with_the_usual_mode(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- end to end
 
-STAND_INS = '''
-import pytest
-
-
-class Good:
-    @classmethod
-    def indexes_kv_by_block_stride(cls):
-        return False
-
-
-def pytest_kvconform_backends(config):
-    return {"GOOD": Good, "OTHER": Good}
-'''
+# GOOD and OTHER: two registered stand-ins; ``import pytest`` for the hooks added below.
+STAND_INS = "import pytest\n" + backends_conftest({"GOOD": Good, "OTHER": Good})
 # Stop the session after the first suite test, as Ctrl-C would.  A registered plugin,
 # not a conftest hook: the suite's tests live outside this conftest's directory.
 CTRL_C = '''
