@@ -12,7 +12,7 @@ from pytest_kvconform.checks import adoption
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip
 from pytest_kvconform.model import Case
 
-RUN = adoption._Run("KV-A3", True, "need=True", Case(id="x", file="f"))
+RUN = adoption._Run("KV-A3", "need=True", Case(id="x", file="f"), need=True)
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC", "LBHNC"])
@@ -52,7 +52,7 @@ def test_expected_offset_is_zero_and_production_offset_is_asserted() -> None:
         adoption._expected_offset(RUN, "rank 0", SimpleNamespace(offset=64, layers=["l0"]),
                                   "LBNHC")
     assert (e.value.expected, e.value.actual) == (0, 64)
-    two_groups = adoption._Run("KV-A1", True, "x", Case(id="g2", file="f", num_groups=2))
+    two_groups = adoption._Run("KV-A1", "x", Case(id="g2", file="f", num_groups=2), need=True)
     with pytest.raises(ClauseSkip, match="2 KV cache groups"):
         adoption._expected_offset(two_groups, "rank 0", tensor, "LBNHC")
 
@@ -64,7 +64,7 @@ def test_sized_for_fails_on_a_shifted_offset_with_otherwise_oracle_strides() -> 
     geom = adoption._geometry(case, config, 2)
     good = oracle.expected_tensor("LBNHC", geom, 0)
     shifted = oracle.expected_tensor("LBNHC", geom, 512)  # self-consistent, but not at 0
-    run = adoption._Run("KV-A1", False, "need=False", case)
+    run = adoption._Run("KV-A1", "need=False", case, need=False)
     for want, tensor in ((None, good), ("offset", shifted)):
         config.kv_cache_tensors = [SimpleNamespace(layers=["a", "b"], **vars(tensor))]
         if want is None:

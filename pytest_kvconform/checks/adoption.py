@@ -13,7 +13,6 @@ the worker (the code under test refused) fails the clause.
 
 from __future__ import annotations
 
-import copy
 import os
 import random
 import zlib
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_kvconform import compat, oracle
-from pytest_kvconform.checks.common import declared_need, unsupported_as_skip
+from pytest_kvconform.checks.common import Where, declared_need, unsupported_as_skip
 from pytest_kvconform.checks.errors import (
     ClauseFailure,
     ClauseSkip,
@@ -50,30 +49,17 @@ _TABLE_CELLS = 1 << 22
 
 
 @dataclass(frozen=True)
-class _Run:
-    clause: str
-    need: bool
-    backend: str
-    case: Case
+class _Run(Where):
+    """A KV-A check's failure context plus the need it runs the control plane for."""
 
-    def fail(self, detail: str, *, layout: str | None = None, expected: object = None,
-             actual: object = None) -> ClauseFailure:
-        return ClauseFailure(self.clause, detail, backend=self.backend, case=self.case.id,
-                             layout=layout, expected=expected, actual=actual)
-
-    def harness(self, exc: HarnessError, doing: str) -> HarnessError:
-        """``exc`` (same class and kind) with the clause, backend, case and step named."""
-        error = copy.copy(exc)
-        error.args = (f"{self.clause} [backend={self.backend}, case={self.case.id}]: "
-                      f"harness error ({exc.kind.value}) while {doing}: {exc}",)
-        return error
+    need: bool = False
 
 
 def _run(clause: str, source: Source, case: Case) -> _Run:
     compat.require_omni(clause)
     if isinstance(source, bool):
-        return _Run(clause, source, f"need={source}", case)
-    return _Run(clause, declared_need(clause, source), source.name, case)
+        return _Run(clause, f"need={source}", case, need=source)
+    return _Run(clause, source.name, case, need=declared_need(clause, source))
 
 
 # The public ``kv_control_plane`` fixture reads a backend's need as KV-A1 does.
@@ -94,7 +80,7 @@ def fixture_control_plane(source: Source, case: Case, *, world_size: int | None 
 
 def _control_plane(run: _Run, device: str, **kwargs: Any) -> ControlPlane:
     try:
-        return build_control_plane(run.need, run.case, device=device, **kwargs)
+        return build_control_plane(run.need, run.the_case, device=device, **kwargs)
     except (ClauseFailure, ClauseSkip):
         raise
     except Unsupported as exc:
@@ -105,9 +91,9 @@ def _control_plane(run: _Run, device: str, **kwargs: Any) -> ControlPlane:
 
 def _ranks(run: _Run, workers: Workers) -> list[WorkerHandle]:
     if isinstance(workers, str):
-        raise ClauseSkip(run.clause, workers, SkipKind.HARDWARE)
-    if len(workers) != run.case.world_size:
-        raise ValueError(f"{len(workers)} workers for world size {run.case.world_size}")
+        raise run.skip(workers, SkipKind.HARDWARE)
+    if len(workers) != run.the_case.world_size:
+        raise ValueError(f"{len(workers)} workers for world size {run.the_case.world_size}")
     return list(workers)
 
 
@@ -177,10 +163,11 @@ def _expected_offset(run: _Run, who: str, tensor: Any, layout: str | None) -> in
     One group owns the whole allocation, so its first page starts at byte 0;
     production's ``offset`` is asserted against that, never fed to the oracle.
     """
-    if run.case.num_groups != 1:
-        raise ClauseSkip(run.clause, f"case {run.case.id} has {run.case.num_groups} KV cache "
-                         "groups; the expected tensor offset is derived for one group only",
-                         SkipKind.NOT_APPLICABLE)
+    case = run.the_case
+    if case.num_groups != 1:
+        raise run.skip(f"case {case.id} has {case.num_groups} KV cache "
+                       "groups; the expected tensor offset is derived for one group only",
+                       SkipKind.NOT_APPLICABLE)
     if tensor.offset != 0:
         raise run.fail(f"the {who} KVCacheTensor.offset is not 0, although its one KV cache "
                        "group owns the whole allocation", layout=layout, expected=0,
@@ -191,7 +178,7 @@ def _expected_offset(run: _Run, who: str, tensor: Any, layout: str | None) -> in
 def _sized_for(run: _Run, who: str, config: Any, layout: str) -> None:
     """The sizing agrees with the pinned layout: strides are the oracle's for it."""
     for tensor in config.kv_cache_tensors:
-        geom = _geometry(run.case, config, len(tensor.layers))
+        geom = _geometry(run.the_case, config, len(tensor.layers))
         want = oracle.expected_tensor(layout, geom, _expected_offset(run, who, tensor, layout))
         got = oracle.OracleTensor(tensor.size, tensor.layer_stride, tensor.block_stride,
                                   tensor.offset)
@@ -223,8 +210,8 @@ def check_kv_a2(source: Source, case: Case, workers: Workers) -> None:
         _first_field_difference(run, cp, rank, config_summary(cp.rank_configs[rank]),
                                 report["received"])
     if wire != "vllm MessageQueue.enqueue":
-        raise ClauseSkip(run.clause, f"the executor's serialiser could not be driven; the "
-                         f"configs crossed as {wire}", SkipKind.ENVIRONMENT)
+        raise run.skip(f"the executor's serialiser could not be driven; the "
+                       f"configs crossed as {wire}", SkipKind.ENVIRONMENT)
 
 
 def _same_backend_class(run: _Run, source: Source, handles: Sequence[WorkerHandle]) -> None:
@@ -293,8 +280,8 @@ def check_kv_a5(source: Source, case: Case, workers: Workers) -> None:
     """KV-A5: N > 1 ranks, one process per device, each adopting its own config."""
     run = _run("KV-A5", source, case)
     if case.world_size < 2:
-        raise ClauseSkip(run.clause, f"case {case.id} has world size {case.world_size}",
-                         SkipKind.NOT_APPLICABLE)
+        raise run.skip(f"case {case.id} has world size {case.world_size}",
+                       SkipKind.NOT_APPLICABLE)
     handles = _ranks(run, workers)
     pids = [h.pid for h in handles]
     if len(set(pids)) != len(pids):
@@ -387,8 +374,8 @@ def _verify_pattern(run: _Run, cp: ControlPlane, rank: int, handle: WorkerHandle
     config = cp.rank_configs[rank]
     layout = cp.pinned or config.kv_cache_layout
     tensor = config.kv_cache_tensors[0]
-    geom = _geometry(run.case, config, len(tensor.layers))
-    pages = list(pages) if pages is not None else _pages(run.case, geom.num_layers,
+    geom = _geometry(run.the_case, config, len(tensor.layers))
+    pages = list(pages) if pages is not None else _pages(run.the_case, geom.num_layers,
                                                          geom.num_blocks)
     addresses = _Addresses(layout, geom, _expected_offset(run, f"rank {rank}", tensor, layout))
     page_addrs = {p: addresses.page(*p) for p in pages}
@@ -494,8 +481,8 @@ def check_kv_a6(source: Source, case: Case, device: str, workers: Callable[[], W
     """
     run = _run("KV-A6", source, case)
     if not device.startswith("cuda"):
-        raise ClauseSkip(run.clause, f"needs CUDA (this process's device is {device})",
-                         SkipKind.HARDWARE)
+        raise run.skip(f"needs CUDA (this process's device is {device})",
+                       SkipKind.HARDWARE)
     handles = _ranks(run, workers())
     try:
         free = [h.free_memory() or 0 for h in handles]
@@ -508,9 +495,9 @@ def check_kv_a6(source: Source, case: Case, device: str, workers: Callable[[], W
     config = cp.rank_configs[0]
     size = max(t.size for t in config.kv_cache_tensors)
     if size <= PROBES[-1]:
-        raise ClauseSkip(run.clause, f"needs CUDA memory: {memory_fraction} of {free[0]} free "
-                         f"bytes gives a {size}-byte allocation, not past 2^32",
-                         SkipKind.HARDWARE)
+        raise run.skip(f"needs CUDA memory: {memory_fraction} of {free[0]} free "
+                       f"bytes gives a {size}-byte allocation, not past 2^32",
+                       SkipKind.HARDWARE)
     try:
         reports = _adopt(run, cp, handles)
         _adopted_ok(run, cp, reports)

@@ -9,6 +9,8 @@ from typing import Any
 
 from pytest_kvconform import compat, oracle
 from pytest_kvconform.checks.common import (
+    Problems,
+    Where,
     backend_class,
     call_declaration,
     cuda_init_recorder,
@@ -188,22 +190,10 @@ def _refusal_problem(call: Callable[[], Any], vllm_config: Any,
             expected, _name(got))
 
 
-def _fail(clause: str, backend: BackendUnderTest, what: str, problem: Problem,
-          layout: str | None) -> ClauseFailure:
+def _add(problems: Problems, what: str, problem: Problem, layout: str, verb: str) -> None:
+    """Record ``problem`` of the sub-scenario ``what`` (``verb``: who went wrong)."""
     detail, expected, actual = problem
-    return ClauseFailure(clause, f"{what}, but resolution {detail}", backend=backend.name,
-                         layout=layout, expected=expected, actual=actual)
-
-
-def _fail_all(clause: str, backend: BackendUnderTest,
-              problems: list[tuple[str, str, Problem]]) -> None:
-    """One failure naming every sub-scenario that went wrong (first one's expected/actual)."""
-    if not problems:
-        return
-    lines = [f"{what}, but it {problem[0]}" for _, what, problem in problems]
-    layout, _, (_, expected, actual) = problems[0]
-    raise ClauseFailure(clause, "; ".join(lines), backend=backend.name, layout=layout,
-                        expected=expected, actual=actual)
+    problems.add(f"{what}, but {verb} {detail}", layout=layout, expected=expected, actual=actual)
 
 
 def check_kv_l3(backend: BackendUnderTest) -> None:
@@ -211,6 +201,7 @@ def check_kv_l3(backend: BackendUnderTest) -> None:
     clause = "KV-L3"
     compat.require_omni(clause)
     need = declared_need(clause, backend)
+    problems = Problems(Where(clause, backend=backend.name))
     for name in layouts_for(need, consistent=True):
         member = compat.layout(name)
         pinned, required, both = _config(name), _config(None), _config(name)
@@ -226,7 +217,8 @@ def check_kv_l3(backend: BackendUnderTest) -> None:
             problem = _kept_problem(partial(_resolve, vllm_config, need, req), vllm_config,
                                     name, (name,))
             if problem is not None:
-                raise _fail(clause, backend, what, problem, name)
+                _add(problems, what, problem, name, "resolution")
+    problems.raise_any()
 
 
 def check_kv_l4(backend: BackendUnderTest) -> None:
@@ -234,6 +226,7 @@ def check_kv_l4(backend: BackendUnderTest) -> None:
     clause = "KV-L4"
     compat.require_omni(clause)
     need = declared_need(clause, backend)
+    problems = Problems(Where(clause, backend=backend.name))
     for name in layouts_for(need, consistent=False):
         pinned, required = _config(name), _config(None)
         scenarios = (
@@ -246,7 +239,8 @@ def check_kv_l4(backend: BackendUnderTest) -> None:
             problem = _refusal_problem(partial(_resolve, vllm_config, need, req), vllm_config,
                                        (name,))
             if problem is not None:
-                raise _fail(clause, backend, what, problem, name)
+                _add(problems, what, problem, name, "resolution")
+    problems.raise_any()
 
 
 def check_kv_l5(backend: BackendUnderTest) -> None:
@@ -366,7 +360,7 @@ def check_kv_l8_canonical(backend: BackendUnderTest) -> None:
     clause = "KV-L8"
     compat.require_omni(clause)
     need = declared_need(clause, backend)
-    problems: list[tuple[str, str, Problem]] = []
+    problems = Problems(Where(clause, backend=backend.name))
     for name in compat.LAYOUT_NAMES:
         vllm_config = _config(name)
         call = partial(_resolve, vllm_config, need)
@@ -378,8 +372,8 @@ def check_kv_l8_canonical(backend: BackendUnderTest) -> None:
                     "and must be refused with a ValueError naming it")
             problem = _refusal_problem(call, vllm_config, (name,))
         if problem is not None:
-            problems.append((name, what, problem))
-    _fail_all(clause, backend, problems)
+            _add(problems, what, problem, name, "it")
+    problems.raise_any()
 
 
 def check_kv_l8_alias(backend: BackendUnderTest) -> None:
@@ -391,7 +385,7 @@ def check_kv_l8_alias(backend: BackendUnderTest) -> None:
     if not aliases:
         raise ClauseSkip(clause, "installed vLLM accepts no legacy layout alias",
                          SkipKind.NOT_APPLICABLE)
-    problems: list[tuple[str, str, Problem]] = []
+    problems = Problems(Where(clause, backend=backend.name))
     for alias, canonical in aliases.items():
         vllm_config = _config(alias)
         call = partial(_resolve, vllm_config, need)
@@ -405,8 +399,8 @@ def check_kv_l8_alias(backend: BackendUnderTest) -> None:
                     "ValueError naming it")
             problem = _refusal_problem(call, vllm_config, (alias, canonical))
         if problem is not None:
-            problems.append((alias, what, problem))
-    _fail_all(clause, backend, problems)
+            _add(problems, what, problem, alias, "it")
+    problems.raise_any()
 
 
 def check_kv_l8_worker_alias(backend: BackendUnderTest) -> None:
@@ -421,7 +415,7 @@ def check_kv_l8_worker_alias(backend: BackendUnderTest) -> None:
         raise ClauseSkip(clause, "no legacy alias names a layout consistent with this backend "
                          f"(aliases: {listing}), so no control plane pins one",
                          SkipKind.NOT_APPLICABLE)
-    problems: list[tuple[str, str, Problem]] = []
+    problems = Problems(Where(clause, backend=backend.name))
     for alias, canonical in usable.items():
         worker = _config(alias)
         sent = compat.kv_cache_config_with_layout(canonical)
@@ -435,8 +429,8 @@ def check_kv_l8_worker_alias(backend: BackendUnderTest) -> None:
                 problem = ("left get_resolved_kv_cache_layout() at another layout", canonical,
                            _name(got))
         if problem is not None:
-            problems.append((alias, what, problem))
-    _fail_all(clause, backend, problems)
+            _add(problems, what, problem, alias, "it")
+    problems.raise_any()
 
 
 def _env_problem(need: bool, value: str, consistent: bool, device: str) -> Problem | None:
@@ -470,7 +464,7 @@ def check_kv_l8_env(backend: BackendUnderTest, device: str = "cpu") -> None:
     need = declared_need(clause, backend)
     var = compat.LAYOUT_ENV_VAR
     before = os.environ.get(var)
-    problems: list[tuple[str, str, Problem]] = []
+    problems = Problems(Where(clause, backend=backend.name))
     consistent_value, contradicting_value = _ENV_PICKS[need]
     for value, consistent in ((consistent_value, True), (contradicting_value, False)):
         relation = "consistent with" if consistent else "contradicts"
@@ -478,8 +472,8 @@ def check_kv_l8_env(backend: BackendUnderTest, device: str = "cpu") -> None:
                 + ("honoured" if consistent else "refused with a ValueError"))
         problem = _env_problem(need, value, consistent, device)
         if problem is not None:
-            problems.append((value, what, problem))
+            _add(problems, what, problem, value, "it")
     if os.environ.get(var) != before:
-        problems.append(("", f"{var} leaked out of the check",
-                         ("was not restored", before, os.environ.get(var))))
-    _fail_all(clause, backend, problems)
+        problems.add(f"{var} leaked out of the check, but it was not restored", layout="",
+                     expected=before, actual=os.environ.get(var))
+    problems.raise_any()
