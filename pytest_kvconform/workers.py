@@ -758,11 +758,11 @@ class _WorkerState:
         return compat.device_free_memory(self.device)
 
     def cmd_adopt_and_init(self, message: dict[str, Any]) -> dict[str, Any]:
-        from pytest_kvconform import compat
+        from pytest_kvconform import compat, executor_wire
 
         self.release()
         _seeded_process_fault(message.get("fault"))
-        rpc = compat.executor_wire_decode(message["frames"])
+        rpc = executor_wire.decode(message["frames"])
         configs, max_model_len = rpc["args"]
         rank = message["rank"]
         config = configs[rank]  # as DiffusionWorker.set_kv_cache_configs picks its own

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvconform import compat, oracle
+from pytest_kvconform import compat, executor_wire, oracle
 from pytest_kvconform.checks.common import Where, declared_need, unsupported_as_skip
 from pytest_kvconform.checks.errors import (
     ClauseFailure,
@@ -100,7 +100,7 @@ def _ranks(run: _Run, workers: Workers) -> list[WorkerHandle]:
 def _adopt(run: _Run, cp: ControlPlane, handles: Sequence[WorkerHandle],
            **options: Any) -> list[dict[str, Any]]:
     """Send the executor's frames to every rank; a worker that dies fails the clause."""
-    frames, _wire = compat.executor_wire_encode(cp.rpc_message())
+    frames, _wire = executor_wire.encode(cp.rpc_message())
     try:
         return broadcast_adopt(handles, frames, need=run.need, **options)
     except HarnessError as exc:
@@ -196,7 +196,7 @@ def check_kv_a2(source: Source, case: Case, workers: Workers) -> None:
     handles = _ranks(run, workers)
     _same_backend_class(run, source, handles)
     cp = _control_plane(run, handles[0].device)
-    _frames, wire = compat.executor_wire_encode(cp.rpc_message())
+    _frames, wire = executor_wire.encode(cp.rpc_message())
     reports = _adopt(run, cp, handles)
     for rank, report in enumerate(reports):
         _crossed_process_boundary(run, rank, report, cp.pinned)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -24,7 +25,11 @@ from pytest_kvconform.checks.errors import (
     SkipKind,
     Unsupported,
 )
-from pytest_kvconform.control_plane import default_memory, run_production_control_plane
+from pytest_kvconform.control_plane import (
+    default_memory,
+    production_control_plane_call,
+    run_production_control_plane,
+)
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.standins import declaring
 
@@ -325,7 +330,7 @@ def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
     canonical = compat.layout_aliases().get(pinned, pinned)
     if oracle.is_block_outermost(canonical) == need:
         return
-    _, call_kwargs = compat.production_control_plane_call()
+    _, call_kwargs = production_control_plane_call()
     if need and "indexes_kv_by_block_stride" not in call_kwargs:
         detail = ("the control plane never receives indexes_kv_by_block_stride; pinned "
                   f"{pinned} for a backend that needs a block-outermost layout "
@@ -433,11 +438,28 @@ def check_kv_l8_worker_alias(backend: BackendUnderTest) -> None:
     problems.raise_any()
 
 
+@contextlib.contextmanager
+def _env_var(name: str, value: str | None) -> Iterator[None]:
+    """Set (or unset) an environment variable and restore it, whatever happens."""
+    old = os.environ.get(name)
+    try:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def _env_problem(need: bool, value: str, consistent: bool, device: str) -> Problem | None:
     """Resolve a production config built under ``VLLM_KV_CACHE_LAYOUT=value``."""
     var = compat.LAYOUT_ENV_VAR
     expected = value if consistent else f"ValueError naming {value} or {var}"
-    with compat.env_var(var, value):
+    with _env_var(var, value):
         try:
             vllm_config = compat.production_vllm_config(device)
             got = _resolve(vllm_config, need)
