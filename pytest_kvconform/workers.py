@@ -58,6 +58,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pytest_kvconform import budget, lifetime
@@ -320,14 +321,14 @@ class WorkerHandle:
         return dict(self.request("ping"))
 
     def adopt_and_init(self, frames: Sequence[bytes], rank: int, *, need: bool | None = None,
-                       skip_adoption: bool = False, prepin: str | None = None) -> dict[str, Any]:
+                       skip_adoption: bool = False, prepin: str | None = None) -> AdoptReport:
         """Receive the executor's frames, pick ``rank``'s config, adopt it, ``init_kv_cache``.
 
         ``skip_adoption`` and ``prepin`` (a layout name pinned on the worker's own
         config first) are KV-A4's negative controls.  Returns the worker's report.
         """
         self.send_adopt(frames, rank, need=need, skip_adoption=skip_adoption, prepin=prepin)
-        return dict(self.receive("adopt_and_init"))
+        return AdoptReport.from_dict(self.receive("adopt_and_init"))
 
     def send_adopt(self, frames: Sequence[bytes], rank: int, *, need: bool | None = None,
                    skip_adoption: bool = False, prepin: str | None = None) -> None:
@@ -372,8 +373,45 @@ class WorkerHandle:
             self.process.join(2)
 
 
+@dataclass
+class AdoptReport:
+    """What one worker did with ``adopt_and_init``, as seen from inside it.
+
+    Built in the worker, crossing the pipe as a plain dict (:meth:`as_dict`),
+    rebuilt here on the parent side (:meth:`from_dict`) and read by attribute.
+    Errors are ``{"type", "message"}``; ``views`` maps a layer to its device,
+    shape, dtype and byte offset in the backing storage.
+    """
+
+    pid: int
+    ppid: int
+    has_parent_process: bool
+    start_method: str | None
+    cuda_visible_devices: str | None
+    rank: int
+    method: str | None
+    num_configs: int
+    fresh_layout: str | None
+    received: dict[str, Any]
+    fault: str | None = None
+    adopted: str | None = None
+    adopt_error: dict[str, str] | None = None
+    init_error: dict[str, str] | None = None
+    layout_after: str | None = None
+    views: dict[str, dict[str, Any]] = field(default_factory=dict)
+    storage_nbytes: int | None = None
+    num_storages: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, reply: Any) -> AdoptReport:
+        return cls(**dict(reply))
+
+
 def broadcast_adopt(handles: Sequence[WorkerHandle], frames: Sequence[bytes], **options: Any,
-                    ) -> list[dict[str, Any]]:
+                    ) -> list[AdoptReport]:
     """Send the same frames to every rank at once (as the executor does), then collect.
 
     Every reply that was asked for is read before the first error is raised, so
@@ -396,7 +434,7 @@ def broadcast_adopt(handles: Sequence[WorkerHandle], frames: Sequence[bytes], **
             error = error or exc
     if error is not None:
         raise error
-    return [dict(reply) for reply in replies]
+    return [AdoptReport.from_dict(reply) for reply in replies]
 
 
 class WorkerPool:
@@ -758,6 +796,7 @@ class _WorkerState:
         return compat.device_free_memory(self.device)
 
     def cmd_adopt_and_init(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Adopt and allocate; the report crosses the pipe as a dict (:class:`AdoptReport`)."""
         from pytest_kvconform import compat, executor_wire
 
         self.release()
@@ -767,14 +806,11 @@ class _WorkerState:
         rank = message["rank"]
         config = configs[rank]  # as DiffusionWorker.set_kv_cache_configs picks its own
         vllm_config = compat.production_vllm_config(self.device, world_size=len(configs))
-        report: dict[str, Any] = {
-            **process_identity(), "rank": rank, "method": rpc.get("method"),
-            "num_configs": len(configs),
-            "fresh_layout": vllm_config.cache_config.kv_cache_layout,
-            "received": config_summary(config), "adopted": None, "adopt_error": None,
-            "init_error": None, "layout_after": None, "views": {}, "storage_nbytes": None,
-            "fault": message.get("fault"),
-        }
+        report = AdoptReport(
+            **process_identity(), rank=rank, method=rpc.get("method"),
+            num_configs=len(configs),
+            fresh_layout=vllm_config.cache_config.kv_cache_layout,
+            received=config_summary(config), fault=message.get("fault"))
         vllm_config.model_config.max_model_len = max_model_len
         vllm_config.cache_config.num_gpu_blocks = config.num_blocks
         if message.get("prepin"):
@@ -782,13 +818,13 @@ class _WorkerState:
         skip = message.get("skip_adoption") or message.get("fault") == "skip_adoption"
         if not skip:
             try:
-                report["adopted"] = compat.adopt_layout(vllm_config, config).name
+                report.adopted = compat.adopt_layout(vllm_config, config).name
                 if message.get("need") is not None:
                     compat.assert_backend_layout_supported(vllm_config,
                                                            declaring(bool(message["need"])))
             except Exception as exc:
-                report["adopt_error"] = _error(exc)
-                return report
+                report.adopt_error = _error(exc)
+                return report.as_dict()
         asked = sum(int(t.size) for t in config.kv_cache_tensors)
         try:
             if message.get("fault") == "oom":  # a real allocator failure, far past any host
@@ -800,21 +836,21 @@ class _WorkerState:
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise _OutOfMemory(asked, free_bytes(self.device), exc) from exc
-            report["init_error"] = _error(exc)
-            return report
-        report["layout_after"] = vllm_config.cache_config.kv_cache_layout
+            report.init_error = _error(exc)
+            return report.as_dict()
+        report.layout_after = vllm_config.cache_config.kv_cache_layout
         self.views = dict(views)
         self.layers = [name for t in config.kv_cache_tensors for name in t.layers]
         storages = set()
         for name, view in self.views.items():
             storage = view.untyped_storage()
             storages.add(storage.data_ptr())
-            report["views"][name] = {
+            report.views[name] = {
                 "device": str(view.device), "shape": list(view.shape), "dtype": str(view.dtype),
                 "byte_offset": view.data_ptr() - storage.data_ptr()}
-            report["storage_nbytes"] = storage.nbytes()
-        report["num_storages"] = len(storages)
-        return report
+            report.storage_nbytes = storage.nbytes()
+        report.num_storages = len(storages)
+        return report.as_dict()
 
     def _raw(self) -> Any:
         import torch

@@ -33,6 +33,7 @@ from pytest_kvconform.checks.geometry import geometry_for
 from pytest_kvconform.control_plane import ControlPlane, build_control_plane
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.workers import (
+    AdoptReport,
     WorkerError,
     WorkerHandle,
     broadcast_adopt,
@@ -98,7 +99,7 @@ def _ranks(run: _Run, workers: Workers) -> list[WorkerHandle]:
 
 
 def _adopt(run: _Run, cp: ControlPlane, handles: Sequence[WorkerHandle],
-           **options: Any) -> list[dict[str, Any]]:
+           **options: Any) -> list[AdoptReport]:
     """Send the executor's frames to every rank; a worker that dies fails the clause."""
     frames, _wire = executor_wire.encode(cp.rpc_message())
     try:
@@ -109,10 +110,10 @@ def _adopt(run: _Run, cp: ControlPlane, handles: Sequence[WorkerHandle],
         raise run.fail(f"worker process failed: {exc}", layout=cp.pinned) from exc
 
 
-def _adopted_ok(run: _Run, cp: ControlPlane, reports: Sequence[dict[str, Any]]) -> None:
+def _adopted_ok(run: _Run, cp: ControlPlane, reports: Sequence[AdoptReport]) -> None:
     for rank, report in enumerate(reports):
         for stage in ("adopt_error", "init_error"):
-            error = report.get(stage)
+            error = getattr(report, stage)
             if error:
                 raise run.fail(f"rank {rank}: {stage.split('_')[0]} raised {error['type']}: "
                                f"{error['message']}", layout=cp.pinned)
@@ -200,15 +201,15 @@ def check_kv_a2(source: Source, case: Case, workers: Workers) -> None:
     reports = _adopt(run, cp, handles)
     for rank, report in enumerate(reports):
         _crossed_process_boundary(run, rank, report, cp.pinned)
-        if report["fresh_layout"] is not None:
+        if report.fresh_layout is not None:
             raise run.fail(f"rank {rank}: the worker's own config started pinned",
-                           layout=cp.pinned, expected=None, actual=report["fresh_layout"])
-        if report["num_configs"] != cp.world_size or report["rank"] != rank:
+                           layout=cp.pinned, expected=None, actual=report.fresh_layout)
+        if report.num_configs != cp.world_size or report.rank != rank:
             raise run.fail(f"rank {rank} received the wrong set of rank-local configs",
                            layout=cp.pinned, expected=(cp.world_size, rank),
-                           actual=(report["num_configs"], report["rank"]))
+                           actual=(report.num_configs, report.rank))
         _first_field_difference(run, cp, rank, config_summary(cp.rank_configs[rank]),
-                                report["received"])
+                                report.received)
     if wire != "vllm MessageQueue.enqueue":
         raise run.skip(f"the executor's serialiser could not be driven; the "
                        f"configs crossed as {wire}", SkipKind.ENVIRONMENT)
@@ -233,12 +234,12 @@ def _same_backend_class(run: _Run, source: Source, handles: Sequence[WorkerHandl
                 f"failed plugins: {failed})", expected=source.path, actual=seen.get("path"))
 
 
-def _crossed_process_boundary(run: _Run, rank: int, report: dict[str, Any],
+def _crossed_process_boundary(run: _Run, rank: int, report: AdoptReport,
                               layout: str | None) -> None:
     """The worker says, from inside, that it is a spawned child of this process."""
     me = os.getpid()
-    seen = {key: report.get(key) for key in ("pid", "ppid", "has_parent_process",
-                                             "start_method")}
+    seen = {key: getattr(report, key) for key in ("pid", "ppid", "has_parent_process",
+                                                  "start_method")}
     want = {"pid": f"not {me}", "ppid": me, "has_parent_process": True, "start_method": "spawn"}
     if seen["pid"] == me:
         raise run.fail(f"rank {rank}: the worker ran in the test process (pid)",
@@ -291,44 +292,44 @@ def check_kv_a5(source: Source, case: Case, workers: Workers) -> None:
         raise run.fail("ranks share a device", expected="one device per rank", actual=devices)
     cp, reports = _adopt_write_verify(run, handles)
     for rank, report in enumerate(reports):
-        if report["rank"] != rank or report["pid"] != pids[rank]:
+        if report.rank != rank or report.pid != pids[rank]:
             raise run.fail(f"rank {rank} adopted another rank's config", layout=cp.pinned,
-                           expected=(rank, pids[rank]), actual=(report["rank"], report["pid"]))
+                           expected=(rank, pids[rank]), actual=(report.rank, report.pid))
         _first_field_difference(run, cp, rank, config_summary(cp.rank_configs[rank]),
-                                report["received"])
+                                report.received)
 
 
 def _adopt_write_verify(run: _Run, handles: Sequence[WorkerHandle],
-                        ) -> tuple[ControlPlane, list[dict[str, Any]]]:
+                        ) -> tuple[ControlPlane, list[AdoptReport]]:
     cp = _control_plane(run, handles[0].device)
     reports = _adopt(run, cp, handles)
     _adopted_ok(run, cp, reports)
     for rank, (handle, report) in enumerate(zip(handles, reports, strict=True)):
         stamped = cp.rank_configs[rank].kv_cache_layout
-        if report["adopted"] != stamped or report["layout_after"] != stamped:
+        if report.adopted != stamped or report.layout_after != stamped:
             raise run.fail(f"rank {rank} did not adopt the control plane's layout",
                            layout=cp.pinned, expected=stamped,
-                           actual=(report["adopted"], report["layout_after"]))
+                           actual=(report.adopted, report.layout_after))
         _on_device(run, cp, rank, handle.device, report)
         _verify_pattern(run, cp, rank, handle, report)
     return cp, reports
 
 
 def _on_device(run: _Run, cp: ControlPlane, rank: int, device: str,
-               report: dict[str, Any]) -> None:
+               report: AdoptReport) -> None:
     want = device if ":" in device or device == "cpu" else f"{device}:0"
     config = cp.rank_configs[rank]
     layers = [name for t in config.kv_cache_tensors for name in t.layers]
-    if sorted(report["views"]) != sorted(layers):
+    if sorted(report.views) != sorted(layers):
         raise run.fail(f"rank {rank}: init_kv_cache returned views for other layers",
-                       layout=cp.pinned, expected=sorted(layers), actual=sorted(report["views"]))
-    for name, view in report["views"].items():
+                       layout=cp.pinned, expected=sorted(layers), actual=sorted(report.views))
+    for name, view in report.views.items():
         if view["device"] != want:
             raise run.fail(f"rank {rank}: layer {name} was allocated off the worker's device",
                            layout=cp.pinned, expected=want, actual=view["device"])
-    if report.get("num_storages") != 1:
+    if report.num_storages != 1:
         raise run.fail(f"rank {rank}: layers are not views of one backing allocation",
-                       layout=cp.pinned, expected=1, actual=report.get("num_storages"))
+                       layout=cp.pinned, expected=1, actual=report.num_storages)
 
 
 def _pages(case: Case, num_layers: int, num_blocks: int) -> list[tuple[int, int]]:
@@ -366,7 +367,7 @@ class _Addresses:
 
 
 def _verify_pattern(run: _Run, cp: ControlPlane, rank: int, handle: WorkerHandle,
-                    report: dict[str, Any], pages: Sequence[tuple[int, int]] | None = None,
+                    report: AdoptReport, pages: Sequence[tuple[int, int]] | None = None,
                     ) -> None:
     """Have the worker write the pattern through its views; find it where the oracle says."""
     import numpy as np
@@ -379,7 +380,9 @@ def _verify_pattern(run: _Run, cp: ControlPlane, rank: int, handle: WorkerHandle
                                                          geom.num_blocks)
     addresses = _Addresses(layout, geom, _expected_offset(run, f"rank {rank}", tensor, layout))
     page_addrs = {p: addresses.page(*p) for p in pages}
-    nbytes = int(report["storage_nbytes"])
+    if report.storage_nbytes is None:  # no view came back: nothing to read
+        raise run.fail(f"rank {rank}: init_kv_cache returned no views", layout=layout)
+    nbytes = report.storage_nbytes
     if nbytes <= _FULL_READ_LIMIT:
         regions = [(0, nbytes)]
     else:
@@ -439,12 +442,12 @@ def check_kv_a4(source: Source, case: Case, workers: Workers) -> None:
     unresolved = compat.unresolved_layout_error_text()
     reports = _adopt(run, cp, handles, skip_adoption=True)
     for rank, report in enumerate(reports):
-        error = report["init_error"]
+        error = report.init_error
         if error is None:
             raise run.fail(f"rank {rank}: init_kv_cache allocated although the worker skipped "
                            "adoption", layout=cp.pinned,
                            expected=f"ValueError: {unresolved or 'unresolved layout'}",
-                           actual=f"an allocation laid out as {report['layout_after']}")
+                           actual=f"an allocation laid out as {report.layout_after}")
         if not unresolved or unresolved not in error["message"]:
             raise run.fail(f"rank {rank}: skipping adoption raised another error than the "
                            "unresolved-layout error", layout=cp.pinned,
@@ -453,13 +456,13 @@ def check_kv_a4(source: Source, case: Case, workers: Workers) -> None:
     other = next(name for name in compat.LAYOUT_NAMES if name != stamped)
     reports = _adopt(run, cp, handles, prepin=other)
     for rank, report in enumerate(reports):
-        error = report["adopt_error"]
+        error = report.adopt_error
         if error is None:
             raise run.fail(f"rank {rank}: a worker already pinned to {other} adopted "
                            f"{stamped} without the disagreement error", layout=cp.pinned,
                            expected="ValueError naming both layouts",
-                           actual=f"adopted {report['adopted']}, allocated as "
-                                  f"{report['layout_after']}")
+                           actual=f"adopted {report.adopted}, allocated as "
+                                  f"{report.layout_after}")
         text = error["message"]
         if error["type"] != "ValueError" or other not in text or str(stamped) not in text:
             raise run.fail(f"rank {rank}: the disagreement error does not name both layouts",
