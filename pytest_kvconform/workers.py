@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pytest_kvconform import budget, lifetime
+from pytest_kvconform.devices import Unplaceable
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
 from pytest_kvconform.standins import declaring
 
@@ -143,8 +144,8 @@ def child_device(placement: str) -> tuple[str, str | None]:
 
 
 def rank_placements(n: int, device: str, gpu_ids: Sequence[str],
-                    environ: dict[str, str] | None = None) -> list[str] | str:
-    """Where each of ``n`` ranks runs, this process's GPU first; or the reason to skip.
+                    environ: dict[str, str] | None = None) -> list[str] | Unplaceable:
+    """Where each of ``n`` ranks runs, this process's GPU first; or why they cannot be placed.
 
     ``gpu_ids`` are the ids the session may use (``CUDA_VISIBLE_DEVICES`` entries
     as the controller sees them); this process's own GPU is read from its
@@ -155,7 +156,7 @@ def rank_placements(n: int, device: str, gpu_ids: Sequence[str],
     from pytest_kvconform import devices
 
     chosen = devices.devices_for_world_size(n, device, list(gpu_ids))
-    if isinstance(chosen, str) or device == "cpu":
+    if isinstance(chosen, Unplaceable) or device == "cpu":
         return chosen
     env = os.environ if environ is None else environ
     visible = devices.visible_gpu_ids(env, lambda: len(gpu_ids))
@@ -165,7 +166,7 @@ def rank_placements(n: int, device: str, gpu_ids: Sequence[str],
     own = visible[index]
     ids = [own, *(g for g in gpu_ids if g != own)][:n]
     if len(ids) < n:
-        return f"needs {n} CUDA devices, {len(ids)} distinct visible"
+        return Unplaceable(f"needs {n} CUDA devices, {len(ids)} distinct visible")
     return [f"{GPU_PREFIX}{g}" for g in ids]
 
 
@@ -564,22 +565,22 @@ class KvWorkers:
     """``kv_workers(n)``: n pooled worker processes, one per device, rank order.
 
     Each ``adopt_and_init`` starts from the worker's own fresh, unpinned config.
-    ``for_world_size(n)`` returns the reason (a str) instead of skipping.
+    ``for_world_size(n)`` returns :class:`Unplaceable` (the reason) instead of skipping.
     """
 
     def __init__(self, device: str, gpu_ids: list[str]) -> None:
         self.device = device
         self.gpu_ids = gpu_ids
 
-    def for_world_size(self, n: int) -> list[WorkerHandle] | str:
+    def for_world_size(self, n: int) -> list[WorkerHandle] | Unplaceable:
         placements = rank_placements(n, self.device, self.gpu_ids)
-        return placements if isinstance(placements, str) else pool().get(placements)
+        return placements if isinstance(placements, Unplaceable) else pool().get(placements)
 
     def prestart(self, n: int) -> None:
         """Start up to n workers now, so their ~20 s imports overlap other work."""
         for size in range(n, 0, -1):
             placements = rank_placements(size, self.device, self.gpu_ids)
-            if not isinstance(placements, str):
+            if not isinstance(placements, Unplaceable):
                 pool().prestart(placements)
                 return
 
@@ -601,7 +602,7 @@ class KvWorkers:
         Returns how many speculative workers were closed.
         """
         placements = rank_placements(n, self.device, self.gpu_ids) if n else []
-        keep = pool().keys(placements) if not isinstance(placements, str) else []
+        keep = pool().keys(placements) if not isinstance(placements, Unplaceable) else []
         closed = drop_speculative(keep)
         if n:
             self.prestart(n)
@@ -611,8 +612,8 @@ class KvWorkers:
         import pytest
 
         handles = self.for_world_size(n)
-        if isinstance(handles, str):
-            pytest.skip(handles)
+        if isinstance(handles, Unplaceable):
+            pytest.skip(handles.reason)
         return handles
 
 

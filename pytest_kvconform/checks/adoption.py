@@ -31,6 +31,7 @@ from pytest_kvconform.checks.errors import (
 )
 from pytest_kvconform.checks.geometry import geometry_for
 from pytest_kvconform.control_plane import ControlPlane, build_control_plane
+from pytest_kvconform.devices import Unplaceable
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.workers import (
     AdoptReport,
@@ -42,7 +43,7 @@ from pytest_kvconform.workers import (
 )
 
 Source = BackendUnderTest | bool  # a backend (its declared need) or an explicit need
-Workers = Sequence[WorkerHandle] | str  # one worker per rank, or why there are none
+Workers = Sequence[WorkerHandle] | Unplaceable  # one worker per rank, or why there are none
 SAMPLED_PAGES = 4
 _FULL_READ_LIMIT = 1 << 26  # read the whole allocation back below this many bytes
 _GUARD_BYTES = 256  # bytes checked (must stay zero) on either side of a probed page
@@ -91,8 +92,8 @@ def _control_plane(run: _Run, device: str, **kwargs: Any) -> ControlPlane:
 
 
 def _ranks(run: _Run, workers: Workers) -> list[WorkerHandle]:
-    if isinstance(workers, str):
-        raise run.skip(workers, SkipKind.HARDWARE)
+    if isinstance(workers, Unplaceable):
+        raise run.skip(workers.reason, SkipKind.HARDWARE)
     if len(workers) != run.the_case.world_size:
         raise ValueError(f"{len(workers)} workers for world size {run.the_case.world_size}")
     return list(workers)
