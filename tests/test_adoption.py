@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ from pytest_kvconform import oracle
 from pytest_kvconform.checks import adoption
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip
 from pytest_kvconform.model import Case
+from pytest_kvconform.workers import AdoptReport
 
 RUN = adoption._Run("KV-A3", "need=True", Case(id="x", file="f"), need=True)
 
@@ -79,8 +81,9 @@ def test_sized_for_fails_on_a_shifted_offset_with_otherwise_oracle_strides() -> 
     ("ppid", None)])
 def test_process_boundary_is_checked_from_the_workers_own_report(field: str,
                                                                  value: object) -> None:
-    report = {"pid": os.getpid() + 1, "ppid": os.getpid(), "has_parent_process": True,
-              "start_method": "spawn"}
+    report = AdoptReport(pid=os.getpid() + 1, ppid=os.getpid(), has_parent_process=True,
+                         start_method="spawn", cuda_visible_devices=None, rank=0,
+                         method=None, num_configs=1, fresh_layout=None, received={})
     adoption._crossed_process_boundary(RUN, 0, report, "LBNHC")
     with pytest.raises(ClauseFailure, match=rf"rank 0: the worker .*\({field}\)"):
-        adoption._crossed_process_boundary(RUN, 0, {**report, field: value}, "LBNHC")
+        adoption._crossed_process_boundary(RUN, 0, replace(report, **{field: value}), "LBNHC")
