@@ -12,7 +12,6 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
-import os
 from collections.abc import Iterator, Sequence
 from functools import cache
 from typing import Any
@@ -146,23 +145,6 @@ def current_vllm_config(vllm_config: Any) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def env_var(name: str, value: str | None) -> Iterator[None]:
-    """Set (or unset) an environment variable and restore it, whatever happens."""
-    old = os.environ.get(name)
-    try:
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 # --- specs ---------------------------------------------------------------------
 
 
@@ -258,25 +240,6 @@ def build_native_kv_cache_configs(vllm_config: Any, specs: list[dict[str, Any]],
     if indexes_kv_by_block_stride is not None:
         kwargs["indexes_kv_by_block_stride"] = indexes_kv_by_block_stride
     return build(vllm_config, specs, available_memory, **kwargs)
-
-
-def production_control_plane_call() -> tuple[str, dict[str, Any]]:
-    """How the production control plane calls ``build_native_kv_cache_configs``.
-
-    Returns the caller's qualified name and the keyword arguments it passes,
-    read from its source, so KV-L6 can tell whether a backend's need can reach
-    the control plane at all.
-    """
-    import ast
-
-    module = importlib.import_module("vllm_omni.diffusion.diffusion_kv.initialization")
-    tree = ast.parse(inspect.getsource(module))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == \
-                "build_native_kv_cache_configs":
-            return "initialize_diffusion_kv_control_plane", {
-                kw.arg: ast.unparse(kw.value) for kw in node.keywords if kw.arg}
-    return "", {}
 
 
 def page_bytes(spec: Any) -> int:
@@ -562,83 +525,6 @@ def production_od_config(*, attention_backend: str | None = None, world_size: in
     if attention_backend is not None and "diffusion_attention_config" in params:
         kwargs["diffusion_attention_config"] = {"default": {"backend": attention_backend}}
     return OmniDiffusionConfig(**kwargs)
-
-
-# --- adoption (KV-A): the executor's wire -------------------------------------
-
-EXECUTOR_RPC_METHOD = "set_kv_cache_configs"
-
-
-class _FrameSink:
-    """Stands in for the executor's zmq socket: keeps the frames ``enqueue`` sends."""
-
-    def __init__(self) -> None:
-        self.frames: list[Any] = []
-
-    def send_multipart(self, frames: Sequence[Any], copy: bool = True) -> None:
-        self.frames = list(frames)
-
-
-class _FrameSource:
-    """Stands in for a worker's zmq socket: hands ``MessageQueue.recv`` the frames."""
-
-    def __init__(self, frames: Sequence[bytes]) -> None:
-        self.frames = list(frames)
-
-    def poll(self, timeout: int | None = None) -> bool:
-        return True
-
-    def recv_multipart(self, copy: bool = True) -> list[bytes]:
-        return self.frames
-
-
-def executor_rpc_message(kv_cache_configs: Sequence[Any], max_model_len: int) -> dict[str, Any]:
-    """The envelope vllm-omni's multiproc executor broadcasts for ``set_kv_cache_configs``.
-
-    Every worker receives all rank-local configs and picks its own by rank, as
-    ``DiffusionWorker.set_kv_cache_configs`` does.
-    """
-    return {"type": "rpc", "method": EXECUTOR_RPC_METHOD,
-            "args": (list(kv_cache_configs), max_model_len), "kwargs": {},
-            "output_rank": 0, "exec_all_ranks": True, "collect_rank_status": True}
-
-
-def executor_wire_encode(obj: Any) -> tuple[list[bytes], str]:
-    """Serialise ``obj`` with the executor's own serialiser; returns (frames, how).
-
-    The executor's broadcast queue (vLLM's ``MessageQueue.enqueue``: pickle with
-    out-of-band buffers and a tensor reducer) is run as is, with a stand-in for
-    its remote socket, so the bytes are those a worker would receive.  Plain
-    highest-protocol pickle is the fallback where that queue cannot be driven.
-    """
-    import pickle
-    from types import SimpleNamespace
-
-    try:
-        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
-
-        sink = _FrameSink()
-        writer = SimpleNamespace(_is_writer=True, n_local_reader=0, n_remote_reader=1,
-                                 remote_socket=sink, local_socket=None)
-        MessageQueue.enqueue(writer, obj)
-        if sink.frames:
-            return [bytes(f) for f in sink.frames], "vllm MessageQueue.enqueue"
-    except (ImportError, AttributeError, TypeError):
-        pass
-    return [pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)], "pickle (fallback)"
-
-
-def executor_wire_decode(frames: Sequence[bytes]) -> Any:
-    """Deserialise frames the way a worker's queue does (``MessageQueue.recv``)."""
-    import pickle
-
-    try:
-        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
-
-        recv = MessageQueue.recv
-    except (ImportError, AttributeError):
-        return pickle.loads(frames[0], buffers=list(frames[1:]))
-    return recv(_FrameSource(frames), None)
 
 
 def device_free_memory(device: str) -> int | None:

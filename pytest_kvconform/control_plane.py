@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_kvconform import compat
+from pytest_kvconform import compat, executor_wire
 from pytest_kvconform.model import Case
 from pytest_kvconform.outcomes import SkipKind, Unsupported
 
@@ -51,7 +52,7 @@ class ControlPlane:
 
     def rpc_message(self) -> dict[str, Any]:
         """The executor's ``set_kv_cache_configs`` envelope for these configs."""
-        return compat.executor_rpc_message(self.rank_configs, self.max_model_len)
+        return executor_wire.rpc_message(self.rank_configs, self.max_model_len)
 
 
 def default_memory(case: Case) -> int:
@@ -152,3 +153,22 @@ def run_production_control_plane(od_config: Any, specs: list[dict[str, Any]],
                           "config (returned None)", SkipKind.ENVIRONMENT)
     scheduler_config, vllm_config = result[0], result[-1]
     return vllm_config, executor.worker_configs or [], scheduler_config
+
+
+def production_control_plane_call() -> tuple[str, dict[str, Any]]:
+    """How the production control plane calls ``build_native_kv_cache_configs``.
+
+    Returns the caller's qualified name and the keyword arguments it passes,
+    read from its source, so KV-L6 can tell whether a backend's need can reach
+    the control plane at all.
+    """
+    import ast
+
+    module = importlib.import_module("vllm_omni.diffusion.diffusion_kv.initialization")
+    tree = ast.parse(inspect.getsource(module))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == \
+                "build_native_kv_cache_configs":
+            return "initialize_diffusion_kv_control_plane", {
+                kw.arg: ast.unparse(kw.value) for kw in node.keywords if kw.arg}
+    return "", {}

@@ -225,8 +225,19 @@ def apply_worker_device(
     return device.torch_device
 
 
-def devices_for_world_size(n: int, this_process_device: str, gpu_ids: list[str]) -> list[str] | str:
-    """Device strings for ``n`` worker processes, or the reason to skip the case.
+@dataclass(frozen=True)
+class Unplaceable:
+    """``n`` ranks cannot be placed here; ``reason`` becomes the case's skip message."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def devices_for_world_size(n: int, this_process_device: str,
+                           gpu_ids: list[str]) -> list[str] | Unplaceable:
+    """Device strings for ``n`` worker processes, or why they cannot be placed.
 
     This process's device comes first; on CUDA every rank needs its own visible GPU.
     """
@@ -239,7 +250,7 @@ def devices_for_world_size(n: int, this_process_device: str, gpu_ids: list[str])
     if n == 1:
         return [this_process_device]
     if n > len(gpu_ids):
-        return f"needs {n} CUDA devices, {len(gpu_ids)} visible"
+        return Unplaceable(f"needs {n} CUDA devices, {len(gpu_ids)} visible")
     all_devices = [f"cuda:{i}" for i in range(len(gpu_ids))]
     rest = [d for d in all_devices if d != this_process_device]
     first = [this_process_device] if this_process_device in all_devices else []

@@ -58,9 +58,11 @@ import threading
 import time
 import traceback
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pytest_kvconform import budget, lifetime
+from pytest_kvconform.devices import Unplaceable
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
 from pytest_kvconform.standins import declaring
 
@@ -142,8 +144,8 @@ def child_device(placement: str) -> tuple[str, str | None]:
 
 
 def rank_placements(n: int, device: str, gpu_ids: Sequence[str],
-                    environ: dict[str, str] | None = None) -> list[str] | str:
-    """Where each of ``n`` ranks runs, this process's GPU first; or the reason to skip.
+                    environ: dict[str, str] | None = None) -> list[str] | Unplaceable:
+    """Where each of ``n`` ranks runs, this process's GPU first; or why they cannot be placed.
 
     ``gpu_ids`` are the ids the session may use (``CUDA_VISIBLE_DEVICES`` entries
     as the controller sees them); this process's own GPU is read from its
@@ -154,7 +156,7 @@ def rank_placements(n: int, device: str, gpu_ids: Sequence[str],
     from pytest_kvconform import devices
 
     chosen = devices.devices_for_world_size(n, device, list(gpu_ids))
-    if isinstance(chosen, str) or device == "cpu":
+    if isinstance(chosen, Unplaceable) or device == "cpu":
         return chosen
     env = os.environ if environ is None else environ
     visible = devices.visible_gpu_ids(env, lambda: len(gpu_ids))
@@ -164,7 +166,7 @@ def rank_placements(n: int, device: str, gpu_ids: Sequence[str],
     own = visible[index]
     ids = [own, *(g for g in gpu_ids if g != own)][:n]
     if len(ids) < n:
-        return f"needs {n} CUDA devices, {len(ids)} distinct visible"
+        return Unplaceable(f"needs {n} CUDA devices, {len(ids)} distinct visible")
     return [f"{GPU_PREFIX}{g}" for g in ids]
 
 
@@ -320,14 +322,14 @@ class WorkerHandle:
         return dict(self.request("ping"))
 
     def adopt_and_init(self, frames: Sequence[bytes], rank: int, *, need: bool | None = None,
-                       skip_adoption: bool = False, prepin: str | None = None) -> dict[str, Any]:
+                       skip_adoption: bool = False, prepin: str | None = None) -> AdoptReport:
         """Receive the executor's frames, pick ``rank``'s config, adopt it, ``init_kv_cache``.
 
         ``skip_adoption`` and ``prepin`` (a layout name pinned on the worker's own
         config first) are KV-A4's negative controls.  Returns the worker's report.
         """
         self.send_adopt(frames, rank, need=need, skip_adoption=skip_adoption, prepin=prepin)
-        return dict(self.receive("adopt_and_init"))
+        return AdoptReport.from_dict(self.receive("adopt_and_init"))
 
     def send_adopt(self, frames: Sequence[bytes], rank: int, *, need: bool | None = None,
                    skip_adoption: bool = False, prepin: str | None = None) -> None:
@@ -372,8 +374,45 @@ class WorkerHandle:
             self.process.join(2)
 
 
+@dataclass
+class AdoptReport:
+    """What one worker did with ``adopt_and_init``, as seen from inside it.
+
+    Built in the worker, crossing the pipe as a plain dict (:meth:`as_dict`),
+    rebuilt here on the parent side (:meth:`from_dict`) and read by attribute.
+    Errors are ``{"type", "message"}``; ``views`` maps a layer to its device,
+    shape, dtype and byte offset in the backing storage.
+    """
+
+    pid: int
+    ppid: int
+    has_parent_process: bool
+    start_method: str | None
+    cuda_visible_devices: str | None
+    rank: int
+    method: str | None
+    num_configs: int
+    fresh_layout: str | None
+    received: dict[str, Any]
+    fault: str | None = None
+    adopted: str | None = None
+    adopt_error: dict[str, str] | None = None
+    init_error: dict[str, str] | None = None
+    layout_after: str | None = None
+    views: dict[str, dict[str, Any]] = field(default_factory=dict)
+    storage_nbytes: int | None = None
+    num_storages: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, reply: Any) -> AdoptReport:
+        return cls(**dict(reply))
+
+
 def broadcast_adopt(handles: Sequence[WorkerHandle], frames: Sequence[bytes], **options: Any,
-                    ) -> list[dict[str, Any]]:
+                    ) -> list[AdoptReport]:
     """Send the same frames to every rank at once (as the executor does), then collect.
 
     Every reply that was asked for is read before the first error is raised, so
@@ -396,7 +435,7 @@ def broadcast_adopt(handles: Sequence[WorkerHandle], frames: Sequence[bytes], **
             error = error or exc
     if error is not None:
         raise error
-    return [dict(reply) for reply in replies]
+    return [AdoptReport.from_dict(reply) for reply in replies]
 
 
 class WorkerPool:
@@ -526,22 +565,22 @@ class KvWorkers:
     """``kv_workers(n)``: n pooled worker processes, one per device, rank order.
 
     Each ``adopt_and_init`` starts from the worker's own fresh, unpinned config.
-    ``for_world_size(n)`` returns the reason (a str) instead of skipping.
+    ``for_world_size(n)`` returns :class:`Unplaceable` (the reason) instead of skipping.
     """
 
     def __init__(self, device: str, gpu_ids: list[str]) -> None:
         self.device = device
         self.gpu_ids = gpu_ids
 
-    def for_world_size(self, n: int) -> list[WorkerHandle] | str:
+    def for_world_size(self, n: int) -> list[WorkerHandle] | Unplaceable:
         placements = rank_placements(n, self.device, self.gpu_ids)
-        return placements if isinstance(placements, str) else pool().get(placements)
+        return placements if isinstance(placements, Unplaceable) else pool().get(placements)
 
     def prestart(self, n: int) -> None:
         """Start up to n workers now, so their ~20 s imports overlap other work."""
         for size in range(n, 0, -1):
             placements = rank_placements(size, self.device, self.gpu_ids)
-            if not isinstance(placements, str):
+            if not isinstance(placements, Unplaceable):
                 pool().prestart(placements)
                 return
 
@@ -563,7 +602,7 @@ class KvWorkers:
         Returns how many speculative workers were closed.
         """
         placements = rank_placements(n, self.device, self.gpu_ids) if n else []
-        keep = pool().keys(placements) if not isinstance(placements, str) else []
+        keep = pool().keys(placements) if not isinstance(placements, Unplaceable) else []
         closed = drop_speculative(keep)
         if n:
             self.prestart(n)
@@ -573,8 +612,8 @@ class KvWorkers:
         import pytest
 
         handles = self.for_world_size(n)
-        if isinstance(handles, str):
-            pytest.skip(handles)
+        if isinstance(handles, Unplaceable):
+            pytest.skip(handles.reason)
         return handles
 
 
@@ -758,23 +797,21 @@ class _WorkerState:
         return compat.device_free_memory(self.device)
 
     def cmd_adopt_and_init(self, message: dict[str, Any]) -> dict[str, Any]:
-        from pytest_kvconform import compat
+        """Adopt and allocate; the report crosses the pipe as a dict (:class:`AdoptReport`)."""
+        from pytest_kvconform import compat, executor_wire
 
         self.release()
         _seeded_process_fault(message.get("fault"))
-        rpc = compat.executor_wire_decode(message["frames"])
+        rpc = executor_wire.decode(message["frames"])
         configs, max_model_len = rpc["args"]
         rank = message["rank"]
         config = configs[rank]  # as DiffusionWorker.set_kv_cache_configs picks its own
         vllm_config = compat.production_vllm_config(self.device, world_size=len(configs))
-        report: dict[str, Any] = {
-            **process_identity(), "rank": rank, "method": rpc.get("method"),
-            "num_configs": len(configs),
-            "fresh_layout": vllm_config.cache_config.kv_cache_layout,
-            "received": config_summary(config), "adopted": None, "adopt_error": None,
-            "init_error": None, "layout_after": None, "views": {}, "storage_nbytes": None,
-            "fault": message.get("fault"),
-        }
+        report = AdoptReport(
+            **process_identity(), rank=rank, method=rpc.get("method"),
+            num_configs=len(configs),
+            fresh_layout=vllm_config.cache_config.kv_cache_layout,
+            received=config_summary(config), fault=message.get("fault"))
         vllm_config.model_config.max_model_len = max_model_len
         vllm_config.cache_config.num_gpu_blocks = config.num_blocks
         if message.get("prepin"):
@@ -782,13 +819,13 @@ class _WorkerState:
         skip = message.get("skip_adoption") or message.get("fault") == "skip_adoption"
         if not skip:
             try:
-                report["adopted"] = compat.adopt_layout(vllm_config, config).name
+                report.adopted = compat.adopt_layout(vllm_config, config).name
                 if message.get("need") is not None:
                     compat.assert_backend_layout_supported(vllm_config,
                                                            declaring(bool(message["need"])))
             except Exception as exc:
-                report["adopt_error"] = _error(exc)
-                return report
+                report.adopt_error = _error(exc)
+                return report.as_dict()
         asked = sum(int(t.size) for t in config.kv_cache_tensors)
         try:
             if message.get("fault") == "oom":  # a real allocator failure, far past any host
@@ -800,21 +837,21 @@ class _WorkerState:
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise _OutOfMemory(asked, free_bytes(self.device), exc) from exc
-            report["init_error"] = _error(exc)
-            return report
-        report["layout_after"] = vllm_config.cache_config.kv_cache_layout
+            report.init_error = _error(exc)
+            return report.as_dict()
+        report.layout_after = vllm_config.cache_config.kv_cache_layout
         self.views = dict(views)
         self.layers = [name for t in config.kv_cache_tensors for name in t.layers]
         storages = set()
         for name, view in self.views.items():
             storage = view.untyped_storage()
             storages.add(storage.data_ptr())
-            report["views"][name] = {
+            report.views[name] = {
                 "device": str(view.device), "shape": list(view.shape), "dtype": str(view.dtype),
                 "byte_offset": view.data_ptr() - storage.data_ptr()}
-            report["storage_nbytes"] = storage.nbytes()
-        report["num_storages"] = len(storages)
-        return report
+            report.storage_nbytes = storage.nbytes()
+        report.num_storages = len(storages)
+        return report.as_dict()
 
     def _raw(self) -> Any:
         import torch

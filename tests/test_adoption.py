@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -11,8 +12,9 @@ from pytest_kvconform import oracle
 from pytest_kvconform.checks import adoption
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip
 from pytest_kvconform.model import Case
+from pytest_kvconform.workers import AdoptReport
 
-RUN = adoption._Run("KV-A3", True, "need=True", Case(id="x", file="f"))
+RUN = adoption._Run("KV-A3", "need=True", Case(id="x", file="f"), need=True)
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC", "LBHNC"])
@@ -52,7 +54,7 @@ def test_expected_offset_is_zero_and_production_offset_is_asserted() -> None:
         adoption._expected_offset(RUN, "rank 0", SimpleNamespace(offset=64, layers=["l0"]),
                                   "LBNHC")
     assert (e.value.expected, e.value.actual) == (0, 64)
-    two_groups = adoption._Run("KV-A1", True, "x", Case(id="g2", file="f", num_groups=2))
+    two_groups = adoption._Run("KV-A1", "x", Case(id="g2", file="f", num_groups=2), need=True)
     with pytest.raises(ClauseSkip, match="2 KV cache groups"):
         adoption._expected_offset(two_groups, "rank 0", tensor, "LBNHC")
 
@@ -64,7 +66,7 @@ def test_sized_for_fails_on_a_shifted_offset_with_otherwise_oracle_strides() -> 
     geom = adoption._geometry(case, config, 2)
     good = oracle.expected_tensor("LBNHC", geom, 0)
     shifted = oracle.expected_tensor("LBNHC", geom, 512)  # self-consistent, but not at 0
-    run = adoption._Run("KV-A1", False, "need=False", case)
+    run = adoption._Run("KV-A1", "need=False", case, need=False)
     for want, tensor in ((None, good), ("offset", shifted)):
         config.kv_cache_tensors = [SimpleNamespace(layers=["a", "b"], **vars(tensor))]
         if want is None:
@@ -79,8 +81,9 @@ def test_sized_for_fails_on_a_shifted_offset_with_otherwise_oracle_strides() -> 
     ("ppid", None)])
 def test_process_boundary_is_checked_from_the_workers_own_report(field: str,
                                                                  value: object) -> None:
-    report = {"pid": os.getpid() + 1, "ppid": os.getpid(), "has_parent_process": True,
-              "start_method": "spawn"}
+    report = AdoptReport(pid=os.getpid() + 1, ppid=os.getpid(), has_parent_process=True,
+                         start_method="spawn", cuda_visible_devices=None, rank=0,
+                         method=None, num_configs=1, fresh_layout=None, received={})
     adoption._crossed_process_boundary(RUN, 0, report, "LBNHC")
     with pytest.raises(ClauseFailure, match=rf"rank 0: the worker .*\({field}\)"):
-        adoption._crossed_process_boundary(RUN, 0, {**report, field: value}, "LBNHC")
+        adoption._crossed_process_boundary(RUN, 0, replace(report, **{field: value}), "LBNHC")

@@ -18,6 +18,7 @@ from pytest_kvconform.devices import (
     WORKERINPUT_GPU_IDS,
     DeviceError,
     DeviceRequest,
+    Unplaceable,
     WorkerDevice,
     apply_worker_device,
     assign_devices,
@@ -269,7 +270,8 @@ def test_world_size_gets_distinct_gpus_this_one_first() -> None:
 
 def test_world_size_beyond_visible_gpus_gives_skip_reason() -> None:
     # an xdist worker sees exactly its one GPU
-    assert devices_for_world_size(2, "cuda:0", ["5"]) == "needs 2 CUDA devices, 1 visible"
+    assert devices_for_world_size(2, "cuda:0", ["5"]) == Unplaceable(
+        "needs 2 CUDA devices, 1 visible")
     with pytest.raises(ValueError):
         devices_for_world_size(0, "cpu", [])
 

@@ -256,7 +256,7 @@ def test_worker_disagreement_is_a_clause_failure() -> None:
 
     backend = BackendUnderTest("SAGE_ATTN", "oot.Cls", "registry", True, cls=object,
                                origin="distribution oot 1")
-    run = adoption._Run("KV-A2", False, "SAGE_ATTN", Case(id="c", file="f"))
+    run = adoption._Run("KV-A2", "SAGE_ATTN", Case(id="c", file="f"), need=False)
     with pytest.raises(ClauseFailure, match=re.escape("resolves backend SAGE_ATTN to "
                                                       "in.tree.Cls, the test process to "
                                                       "oot.Cls")) as info:

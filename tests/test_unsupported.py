@@ -11,7 +11,7 @@ import pytest
 
 from pytest_kvconform import compat, control_plane
 from pytest_kvconform.checks import adoption, nullblock
-from pytest_kvconform.checks.common import unsupported_as_skip
+from pytest_kvconform.checks.common import Where, unsupported_as_skip
 from pytest_kvconform.model import Case
 from pytest_kvconform.outcomes import ClauseFailure, ClauseSkip, SkipKind, Unsupported
 
@@ -62,7 +62,7 @@ def test_nullblock_plan_reports_a_skip_as_its_clause_skip_not_a_failure(
 
     monkeypatch.setattr(nullblock, "plan", unsupported)
     with pytest.raises(ClauseSkip) as info:
-        nullblock._plan_or_fail("KV-N3", CASE, [1 << 20], "auto-fit")
+        nullblock._plan_or_fail(Where("KV-N3", case=CASE), [1 << 20], "auto-fit")
     assert info.value.clause == "KV-N3" and info.value.kind is SkipKind.NOT_APPLICABLE
 
     def skip(*args: object, **kwargs: object) -> None:
@@ -70,14 +70,14 @@ def test_nullblock_plan_reports_a_skip_as_its_clause_skip_not_a_failure(
 
     monkeypatch.setattr(nullblock, "plan", skip)
     with pytest.raises(ClauseSkip, match="vllm-omni not installed"):
-        nullblock._plan_or_fail("KV-N3", CASE, [1 << 20], "auto-fit")
+        nullblock._plan_or_fail(Where("KV-N3", case=CASE), [1 << 20], "auto-fit")
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise ValueError("no room")
 
     monkeypatch.setattr(nullblock, "plan", refuse)  # a real refusal still fails the clause
     with pytest.raises(ClauseFailure, match=r"KV-N3 violated.*refused auto-fit: ValueError"):
-        nullblock._plan_or_fail("KV-N3", CASE, [1 << 20], "auto-fit")
+        nullblock._plan_or_fail(Where("KV-N3", case=CASE), [1 << 20], "auto-fit")
 
 
 def test_kv_control_plane_fixture_skip_names_its_clause(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,6 @@ the worker (the code under test refused) fails the clause.
 
 from __future__ import annotations
 
-import copy
 import os
 import random
 import zlib
@@ -21,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvconform import compat, oracle
-from pytest_kvconform.checks.common import declared_need, unsupported_as_skip
+from pytest_kvconform import compat, executor_wire, oracle
+from pytest_kvconform.checks.common import Where, declared_need, unsupported_as_skip
 from pytest_kvconform.checks.errors import (
     ClauseFailure,
     ClauseSkip,
@@ -32,8 +31,10 @@ from pytest_kvconform.checks.errors import (
 )
 from pytest_kvconform.checks.geometry import geometry_for
 from pytest_kvconform.control_plane import ControlPlane, build_control_plane
+from pytest_kvconform.devices import Unplaceable
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.workers import (
+    AdoptReport,
     WorkerError,
     WorkerHandle,
     broadcast_adopt,
@@ -42,7 +43,7 @@ from pytest_kvconform.workers import (
 )
 
 Source = BackendUnderTest | bool  # a backend (its declared need) or an explicit need
-Workers = Sequence[WorkerHandle] | str  # one worker per rank, or why there are none
+Workers = Sequence[WorkerHandle] | Unplaceable  # one worker per rank, or why there are none
 SAMPLED_PAGES = 4
 _FULL_READ_LIMIT = 1 << 26  # read the whole allocation back below this many bytes
 _GUARD_BYTES = 256  # bytes checked (must stay zero) on either side of a probed page
@@ -50,30 +51,17 @@ _TABLE_CELLS = 1 << 22
 
 
 @dataclass(frozen=True)
-class _Run:
-    clause: str
-    need: bool
-    backend: str
-    case: Case
+class _Run(Where):
+    """A KV-A check's failure context plus the need it runs the control plane for."""
 
-    def fail(self, detail: str, *, layout: str | None = None, expected: object = None,
-             actual: object = None) -> ClauseFailure:
-        return ClauseFailure(self.clause, detail, backend=self.backend, case=self.case.id,
-                             layout=layout, expected=expected, actual=actual)
-
-    def harness(self, exc: HarnessError, doing: str) -> HarnessError:
-        """``exc`` (same class and kind) with the clause, backend, case and step named."""
-        error = copy.copy(exc)
-        error.args = (f"{self.clause} [backend={self.backend}, case={self.case.id}]: "
-                      f"harness error ({exc.kind.value}) while {doing}: {exc}",)
-        return error
+    need: bool = False
 
 
 def _run(clause: str, source: Source, case: Case) -> _Run:
     compat.require_omni(clause)
     if isinstance(source, bool):
-        return _Run(clause, source, f"need={source}", case)
-    return _Run(clause, declared_need(clause, source), source.name, case)
+        return _Run(clause, f"need={source}", case, need=source)
+    return _Run(clause, source.name, case, need=declared_need(clause, source))
 
 
 # The public ``kv_control_plane`` fixture reads a backend's need as KV-A1 does.
@@ -94,7 +82,7 @@ def fixture_control_plane(source: Source, case: Case, *, world_size: int | None 
 
 def _control_plane(run: _Run, device: str, **kwargs: Any) -> ControlPlane:
     try:
-        return build_control_plane(run.need, run.case, device=device, **kwargs)
+        return build_control_plane(run.need, run.the_case, device=device, **kwargs)
     except (ClauseFailure, ClauseSkip):
         raise
     except Unsupported as exc:
@@ -104,17 +92,17 @@ def _control_plane(run: _Run, device: str, **kwargs: Any) -> ControlPlane:
 
 
 def _ranks(run: _Run, workers: Workers) -> list[WorkerHandle]:
-    if isinstance(workers, str):
-        raise ClauseSkip(run.clause, workers, SkipKind.HARDWARE)
-    if len(workers) != run.case.world_size:
-        raise ValueError(f"{len(workers)} workers for world size {run.case.world_size}")
+    if isinstance(workers, Unplaceable):
+        raise run.skip(workers.reason, SkipKind.HARDWARE)
+    if len(workers) != run.the_case.world_size:
+        raise ValueError(f"{len(workers)} workers for world size {run.the_case.world_size}")
     return list(workers)
 
 
 def _adopt(run: _Run, cp: ControlPlane, handles: Sequence[WorkerHandle],
-           **options: Any) -> list[dict[str, Any]]:
+           **options: Any) -> list[AdoptReport]:
     """Send the executor's frames to every rank; a worker that dies fails the clause."""
-    frames, _wire = compat.executor_wire_encode(cp.rpc_message())
+    frames, _wire = executor_wire.encode(cp.rpc_message())
     try:
         return broadcast_adopt(handles, frames, need=run.need, **options)
     except HarnessError as exc:
@@ -123,10 +111,10 @@ def _adopt(run: _Run, cp: ControlPlane, handles: Sequence[WorkerHandle],
         raise run.fail(f"worker process failed: {exc}", layout=cp.pinned) from exc
 
 
-def _adopted_ok(run: _Run, cp: ControlPlane, reports: Sequence[dict[str, Any]]) -> None:
+def _adopted_ok(run: _Run, cp: ControlPlane, reports: Sequence[AdoptReport]) -> None:
     for rank, report in enumerate(reports):
         for stage in ("adopt_error", "init_error"):
-            error = report.get(stage)
+            error = getattr(report, stage)
             if error:
                 raise run.fail(f"rank {rank}: {stage.split('_')[0]} raised {error['type']}: "
                                f"{error['message']}", layout=cp.pinned)
@@ -177,10 +165,11 @@ def _expected_offset(run: _Run, who: str, tensor: Any, layout: str | None) -> in
     One group owns the whole allocation, so its first page starts at byte 0;
     production's ``offset`` is asserted against that, never fed to the oracle.
     """
-    if run.case.num_groups != 1:
-        raise ClauseSkip(run.clause, f"case {run.case.id} has {run.case.num_groups} KV cache "
-                         "groups; the expected tensor offset is derived for one group only",
-                         SkipKind.NOT_APPLICABLE)
+    case = run.the_case
+    if case.num_groups != 1:
+        raise run.skip(f"case {case.id} has {case.num_groups} KV cache "
+                       "groups; the expected tensor offset is derived for one group only",
+                       SkipKind.NOT_APPLICABLE)
     if tensor.offset != 0:
         raise run.fail(f"the {who} KVCacheTensor.offset is not 0, although its one KV cache "
                        "group owns the whole allocation", layout=layout, expected=0,
@@ -191,7 +180,7 @@ def _expected_offset(run: _Run, who: str, tensor: Any, layout: str | None) -> in
 def _sized_for(run: _Run, who: str, config: Any, layout: str) -> None:
     """The sizing agrees with the pinned layout: strides are the oracle's for it."""
     for tensor in config.kv_cache_tensors:
-        geom = _geometry(run.case, config, len(tensor.layers))
+        geom = _geometry(run.the_case, config, len(tensor.layers))
         want = oracle.expected_tensor(layout, geom, _expected_offset(run, who, tensor, layout))
         got = oracle.OracleTensor(tensor.size, tensor.layer_stride, tensor.block_stride,
                                   tensor.offset)
@@ -209,22 +198,22 @@ def check_kv_a2(source: Source, case: Case, workers: Workers) -> None:
     handles = _ranks(run, workers)
     _same_backend_class(run, source, handles)
     cp = _control_plane(run, handles[0].device)
-    _frames, wire = compat.executor_wire_encode(cp.rpc_message())
+    _frames, wire = executor_wire.encode(cp.rpc_message())
     reports = _adopt(run, cp, handles)
     for rank, report in enumerate(reports):
         _crossed_process_boundary(run, rank, report, cp.pinned)
-        if report["fresh_layout"] is not None:
+        if report.fresh_layout is not None:
             raise run.fail(f"rank {rank}: the worker's own config started pinned",
-                           layout=cp.pinned, expected=None, actual=report["fresh_layout"])
-        if report["num_configs"] != cp.world_size or report["rank"] != rank:
+                           layout=cp.pinned, expected=None, actual=report.fresh_layout)
+        if report.num_configs != cp.world_size or report.rank != rank:
             raise run.fail(f"rank {rank} received the wrong set of rank-local configs",
                            layout=cp.pinned, expected=(cp.world_size, rank),
-                           actual=(report["num_configs"], report["rank"]))
+                           actual=(report.num_configs, report.rank))
         _first_field_difference(run, cp, rank, config_summary(cp.rank_configs[rank]),
-                                report["received"])
+                                report.received)
     if wire != "vllm MessageQueue.enqueue":
-        raise ClauseSkip(run.clause, f"the executor's serialiser could not be driven; the "
-                         f"configs crossed as {wire}", SkipKind.ENVIRONMENT)
+        raise run.skip(f"the executor's serialiser could not be driven; the "
+                       f"configs crossed as {wire}", SkipKind.ENVIRONMENT)
 
 
 def _same_backend_class(run: _Run, source: Source, handles: Sequence[WorkerHandle]) -> None:
@@ -246,12 +235,12 @@ def _same_backend_class(run: _Run, source: Source, handles: Sequence[WorkerHandl
                 f"failed plugins: {failed})", expected=source.path, actual=seen.get("path"))
 
 
-def _crossed_process_boundary(run: _Run, rank: int, report: dict[str, Any],
+def _crossed_process_boundary(run: _Run, rank: int, report: AdoptReport,
                               layout: str | None) -> None:
     """The worker says, from inside, that it is a spawned child of this process."""
     me = os.getpid()
-    seen = {key: report.get(key) for key in ("pid", "ppid", "has_parent_process",
-                                             "start_method")}
+    seen = {key: getattr(report, key) for key in ("pid", "ppid", "has_parent_process",
+                                                  "start_method")}
     want = {"pid": f"not {me}", "ppid": me, "has_parent_process": True, "start_method": "spawn"}
     if seen["pid"] == me:
         raise run.fail(f"rank {rank}: the worker ran in the test process (pid)",
@@ -293,8 +282,8 @@ def check_kv_a5(source: Source, case: Case, workers: Workers) -> None:
     """KV-A5: N > 1 ranks, one process per device, each adopting its own config."""
     run = _run("KV-A5", source, case)
     if case.world_size < 2:
-        raise ClauseSkip(run.clause, f"case {case.id} has world size {case.world_size}",
-                         SkipKind.NOT_APPLICABLE)
+        raise run.skip(f"case {case.id} has world size {case.world_size}",
+                       SkipKind.NOT_APPLICABLE)
     handles = _ranks(run, workers)
     pids = [h.pid for h in handles]
     if len(set(pids)) != len(pids):
@@ -304,44 +293,44 @@ def check_kv_a5(source: Source, case: Case, workers: Workers) -> None:
         raise run.fail("ranks share a device", expected="one device per rank", actual=devices)
     cp, reports = _adopt_write_verify(run, handles)
     for rank, report in enumerate(reports):
-        if report["rank"] != rank or report["pid"] != pids[rank]:
+        if report.rank != rank or report.pid != pids[rank]:
             raise run.fail(f"rank {rank} adopted another rank's config", layout=cp.pinned,
-                           expected=(rank, pids[rank]), actual=(report["rank"], report["pid"]))
+                           expected=(rank, pids[rank]), actual=(report.rank, report.pid))
         _first_field_difference(run, cp, rank, config_summary(cp.rank_configs[rank]),
-                                report["received"])
+                                report.received)
 
 
 def _adopt_write_verify(run: _Run, handles: Sequence[WorkerHandle],
-                        ) -> tuple[ControlPlane, list[dict[str, Any]]]:
+                        ) -> tuple[ControlPlane, list[AdoptReport]]:
     cp = _control_plane(run, handles[0].device)
     reports = _adopt(run, cp, handles)
     _adopted_ok(run, cp, reports)
     for rank, (handle, report) in enumerate(zip(handles, reports, strict=True)):
         stamped = cp.rank_configs[rank].kv_cache_layout
-        if report["adopted"] != stamped or report["layout_after"] != stamped:
+        if report.adopted != stamped or report.layout_after != stamped:
             raise run.fail(f"rank {rank} did not adopt the control plane's layout",
                            layout=cp.pinned, expected=stamped,
-                           actual=(report["adopted"], report["layout_after"]))
+                           actual=(report.adopted, report.layout_after))
         _on_device(run, cp, rank, handle.device, report)
         _verify_pattern(run, cp, rank, handle, report)
     return cp, reports
 
 
 def _on_device(run: _Run, cp: ControlPlane, rank: int, device: str,
-               report: dict[str, Any]) -> None:
+               report: AdoptReport) -> None:
     want = device if ":" in device or device == "cpu" else f"{device}:0"
     config = cp.rank_configs[rank]
     layers = [name for t in config.kv_cache_tensors for name in t.layers]
-    if sorted(report["views"]) != sorted(layers):
+    if sorted(report.views) != sorted(layers):
         raise run.fail(f"rank {rank}: init_kv_cache returned views for other layers",
-                       layout=cp.pinned, expected=sorted(layers), actual=sorted(report["views"]))
-    for name, view in report["views"].items():
+                       layout=cp.pinned, expected=sorted(layers), actual=sorted(report.views))
+    for name, view in report.views.items():
         if view["device"] != want:
             raise run.fail(f"rank {rank}: layer {name} was allocated off the worker's device",
                            layout=cp.pinned, expected=want, actual=view["device"])
-    if report.get("num_storages") != 1:
+    if report.num_storages != 1:
         raise run.fail(f"rank {rank}: layers are not views of one backing allocation",
-                       layout=cp.pinned, expected=1, actual=report.get("num_storages"))
+                       layout=cp.pinned, expected=1, actual=report.num_storages)
 
 
 def _pages(case: Case, num_layers: int, num_blocks: int) -> list[tuple[int, int]]:
@@ -379,7 +368,7 @@ class _Addresses:
 
 
 def _verify_pattern(run: _Run, cp: ControlPlane, rank: int, handle: WorkerHandle,
-                    report: dict[str, Any], pages: Sequence[tuple[int, int]] | None = None,
+                    report: AdoptReport, pages: Sequence[tuple[int, int]] | None = None,
                     ) -> None:
     """Have the worker write the pattern through its views; find it where the oracle says."""
     import numpy as np
@@ -387,12 +376,14 @@ def _verify_pattern(run: _Run, cp: ControlPlane, rank: int, handle: WorkerHandle
     config = cp.rank_configs[rank]
     layout = cp.pinned or config.kv_cache_layout
     tensor = config.kv_cache_tensors[0]
-    geom = _geometry(run.case, config, len(tensor.layers))
-    pages = list(pages) if pages is not None else _pages(run.case, geom.num_layers,
+    geom = _geometry(run.the_case, config, len(tensor.layers))
+    pages = list(pages) if pages is not None else _pages(run.the_case, geom.num_layers,
                                                          geom.num_blocks)
     addresses = _Addresses(layout, geom, _expected_offset(run, f"rank {rank}", tensor, layout))
     page_addrs = {p: addresses.page(*p) for p in pages}
-    nbytes = int(report["storage_nbytes"])
+    if report.storage_nbytes is None:  # no view came back: nothing to read
+        raise run.fail(f"rank {rank}: init_kv_cache returned no views", layout=layout)
+    nbytes = report.storage_nbytes
     if nbytes <= _FULL_READ_LIMIT:
         regions = [(0, nbytes)]
     else:
@@ -452,12 +443,12 @@ def check_kv_a4(source: Source, case: Case, workers: Workers) -> None:
     unresolved = compat.unresolved_layout_error_text()
     reports = _adopt(run, cp, handles, skip_adoption=True)
     for rank, report in enumerate(reports):
-        error = report["init_error"]
+        error = report.init_error
         if error is None:
             raise run.fail(f"rank {rank}: init_kv_cache allocated although the worker skipped "
                            "adoption", layout=cp.pinned,
                            expected=f"ValueError: {unresolved or 'unresolved layout'}",
-                           actual=f"an allocation laid out as {report['layout_after']}")
+                           actual=f"an allocation laid out as {report.layout_after}")
         if not unresolved or unresolved not in error["message"]:
             raise run.fail(f"rank {rank}: skipping adoption raised another error than the "
                            "unresolved-layout error", layout=cp.pinned,
@@ -466,13 +457,13 @@ def check_kv_a4(source: Source, case: Case, workers: Workers) -> None:
     other = next(name for name in compat.LAYOUT_NAMES if name != stamped)
     reports = _adopt(run, cp, handles, prepin=other)
     for rank, report in enumerate(reports):
-        error = report["adopt_error"]
+        error = report.adopt_error
         if error is None:
             raise run.fail(f"rank {rank}: a worker already pinned to {other} adopted "
                            f"{stamped} without the disagreement error", layout=cp.pinned,
                            expected="ValueError naming both layouts",
-                           actual=f"adopted {report['adopted']}, allocated as "
-                                  f"{report['layout_after']}")
+                           actual=f"adopted {report.adopted}, allocated as "
+                                  f"{report.layout_after}")
         text = error["message"]
         if error["type"] != "ValueError" or other not in text or str(stamped) not in text:
             raise run.fail(f"rank {rank}: the disagreement error does not name both layouts",
@@ -494,8 +485,8 @@ def check_kv_a6(source: Source, case: Case, device: str, workers: Callable[[], W
     """
     run = _run("KV-A6", source, case)
     if not device.startswith("cuda"):
-        raise ClauseSkip(run.clause, f"needs CUDA (this process's device is {device})",
-                         SkipKind.HARDWARE)
+        raise run.skip(f"needs CUDA (this process's device is {device})",
+                       SkipKind.HARDWARE)
     handles = _ranks(run, workers())
     try:
         free = [h.free_memory() or 0 for h in handles]
@@ -508,9 +499,9 @@ def check_kv_a6(source: Source, case: Case, device: str, workers: Callable[[], W
     config = cp.rank_configs[0]
     size = max(t.size for t in config.kv_cache_tensors)
     if size <= PROBES[-1]:
-        raise ClauseSkip(run.clause, f"needs CUDA memory: {memory_fraction} of {free[0]} free "
-                         f"bytes gives a {size}-byte allocation, not past 2^32",
-                         SkipKind.HARDWARE)
+        raise run.skip(f"needs CUDA memory: {memory_fraction} of {free[0]} free "
+                       f"bytes gives a {size}-byte allocation, not past 2^32",
+                       SkipKind.HARDWARE)
     try:
         reports = _adopt(run, cp, handles)
         _adopted_ok(run, cp, reports)

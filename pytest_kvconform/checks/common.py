@@ -1,9 +1,12 @@
-"""Helpers every clause check uses: the backend's class and its declared need."""
+"""Helpers every clause check uses: its failure context, the backend's class and need."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_kvconform import budget
@@ -14,7 +17,98 @@ from pytest_kvconform.checks.errors import (
     SkipKind,
     Unsupported,
 )
-from pytest_kvconform.model import BackendUnderTest
+from pytest_kvconform.model import BackendUnderTest, Case
+
+
+@dataclass(frozen=True)
+class Where:
+    """What one check is checking: the clause and the parametrisation every
+    failure, skip and harness error it raises names (one shape for all checks)."""
+
+    clause: str
+    backend: str | None = None
+    case: Case | None = None
+    layout: str | None = None
+
+    @property
+    def the_case(self) -> Case:
+        """The case, for checks that always run one (a missing case is a harness bug)."""
+        if self.case is None:
+            raise TypeError(f"{self.clause}: this check has no case")
+        return self.case
+
+    def at(self, **changes: Any) -> Where:
+        """This context with some fields changed (e.g. the layout a loop is on)."""
+        return dataclasses.replace(self, **changes)
+
+    def fail(self, detail: str, *, layout: str | None = None, expected: object = None,
+             actual: object = None) -> ClauseFailure:
+        return ClauseFailure(self.clause, detail, backend=self.backend,
+                             case=None if self.case is None else self.case.id,
+                             layout=layout if layout is not None else self.layout,
+                             expected=expected, actual=actual)
+
+    def fail_at(self, source: str, detail: str, *, expected: object = None,
+                actual: object = None) -> ClauseFailure:
+        """A failure found in ``source`` (the production code that produced it)."""
+        return self.fail(f"{source}: {detail}", expected=expected, actual=actual)
+
+    def skip(self, reason: str, kind: SkipKind = SkipKind.ENVIRONMENT) -> ClauseSkip:
+        return ClauseSkip(self.clause, reason, kind)
+
+    def call(self, source: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run production code; an exception is a violation here, not a crash."""
+        try:
+            return fn(*args, **kwargs)
+        except (ClauseFailure, ClauseSkip):
+            raise
+        except Unsupported as exc:
+            raise exc.skip(self.clause) from None
+        except Exception as exc:
+            raise self.fail_at(source, f"raised {type(exc).__name__}: {exc}") from exc
+
+    def harness(self, exc: HarnessError, doing: str) -> HarnessError:
+        """``exc`` (same class and kind) with the clause, parametrisation and step named."""
+        named = ", ".join(f"{k}={v}" for k, v in (
+            ("backend", self.backend), ("case", None if self.case is None else self.case.id),
+            ("layout", self.layout)) if v)
+        error = copy.copy(exc)
+        error.args = (f"{self.clause}" + (f" [{named}]" if named else "")
+                      + f": harness error ({exc.kind.value}) while {doing}: {exc}",)
+        return error
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing that went wrong in a sub-scenario of a check."""
+
+    detail: str
+    layout: str | None = None
+    expected: object = None
+    actual: object = None
+
+
+@dataclass
+class Problems:
+    """Every sub-scenario that went wrong, reported as one failure.
+
+    The detail lists each problem (``; ``-joined); expected / actual and the
+    layout are the first one's, so a single problem reads as a plain failure.
+    """
+
+    where: Where
+    found: list[Problem] = field(default_factory=list)
+
+    def add(self, detail: str, *, layout: str | None = None, expected: object = None,
+            actual: object = None) -> None:
+        self.found.append(Problem(detail, layout, expected, actual))
+
+    def raise_any(self) -> None:
+        if not self.found:
+            return
+        first = self.found[0]
+        raise self.where.fail("; ".join(p.detail for p in self.found), layout=first.layout,
+                              expected=first.expected, actual=first.actual)
 
 
 @contextlib.contextmanager

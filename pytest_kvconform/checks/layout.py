@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
 from pytest_kvconform import compat, oracle
 from pytest_kvconform.checks.common import (
+    Problems,
+    Where,
     backend_class,
     call_declaration,
     cuda_init_recorder,
@@ -16,13 +19,16 @@ from pytest_kvconform.checks.common import (
     unsupported_as_skip,
 )
 from pytest_kvconform.checks.errors import (
-    ClauseFailure,
     ClauseSkip,
     HarnessError,
     SkipKind,
     Unsupported,
 )
-from pytest_kvconform.control_plane import default_memory, run_production_control_plane
+from pytest_kvconform.control_plane import (
+    default_memory,
+    production_control_plane_call,
+    run_production_control_plane,
+)
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.standins import declaring
 
@@ -33,14 +39,14 @@ _CALLS = 3
 def check_kv_l1(backend: BackendUnderTest) -> None:
     """KV-L1: ``indexes_kv_by_block_stride`` is a device-free, stable, real bool."""
     clause = "KV-L1"
+    where = Where(clause, backend=backend.name)
     cls = backend_class(clause, backend)
     method = getattr(cls, "indexes_kv_by_block_stride", None)
     if method is None:
-        raise ClauseFailure(clause, "the backend class has no indexes_kv_by_block_stride "
-                            "classmethod", backend=backend.name)
+        raise where.fail("the backend class has no indexes_kv_by_block_stride "
+                         "classmethod")
     if not callable(method):
-        raise ClauseFailure(clause, f"indexes_kv_by_block_stride is {method!r}, not callable",
-                            backend=backend.name)
+        raise where.fail(f"indexes_kv_by_block_stride is {method!r}, not callable")
     answers = []
     error: Exception | None = None
     with cuda_init_recorder() as cuda_calls:
@@ -55,58 +61,58 @@ def check_kv_l1(backend: BackendUnderTest) -> None:
     # A declaration that reaches for CUDA fails on a CPU build with an unrelated
     # error; the device access is the finding, so it is reported first.
     if cuda_calls:
-        raise ClauseFailure(clause, "indexes_kv_by_block_stride() initialised a CUDA context; "
-                            "the declaration must need no device", backend=backend.name,
-                            expected="no CUDA initialisation", actual=cuda_calls)
+        raise where.fail("indexes_kv_by_block_stride() initialised a CUDA context; "
+                         "the declaration must need no device",
+                         expected="no CUDA initialisation", actual=cuda_calls)
     if error is not None:
         how = ("cannot be called on the class with no arguments" if isinstance(error, TypeError)
                else "raised")
-        raise ClauseFailure(clause, f"indexes_kv_by_block_stride() {how}: {error!r}",
-                            backend=backend.name) from error
+        raise where.fail(f"indexes_kv_by_block_stride() {how}: {error!r}") from error
     first = answers[0]
     if type(first) is not bool:
-        raise ClauseFailure(clause, f"indexes_kv_by_block_stride() returned {first!r} of type "
-                            f"{type(first).__name__}; a real bool is required",
-                            backend=backend.name, expected="bool", actual=type(first).__name__)
+        raise where.fail(f"indexes_kv_by_block_stride() returned {first!r} of type "
+                         f"{type(first).__name__}; a real bool is required",
+                         expected="bool", actual=type(first).__name__)
     if any(a is not first for a in answers):
-        raise ClauseFailure(clause, "indexes_kv_by_block_stride() changes its answer between "
-                            "calls", backend=backend.name, expected=first, actual=answers)
+        raise where.fail("indexes_kv_by_block_stride() changes its answer between "
+                         "calls", expected=first, actual=answers)
 
 
 def check_kv_l2(backend: BackendUnderTest) -> None:
     """KV-L2: resolution on an unpinned config pins the layout the backend needs."""
     clause = "KV-L2"
+    where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     need = declared_need(clause, backend)
     vllm_config = compat.plain_vllm_config()
     cache_config = vllm_config.cache_config
     if cache_config.kv_cache_layout is not None:
-        raise ClauseFailure(clause, "a fresh CacheConfig is already pinned",
-                            backend=backend.name, expected=None,
-                            actual=cache_config.kv_cache_layout)
+        raise where.fail("a fresh CacheConfig is already pinned",
+                         expected=None,
+                         actual=cache_config.kv_cache_layout)
     resolved = compat.resolve_diffusion_layout(vllm_config, indexes_kv_by_block_stride=need)
     name = getattr(resolved, "name", resolved)
     if need:
         if not str(name).startswith("B"):
-            raise ClauseFailure(clause, "a backend that indexes K/V by block stride needs a "
-                                "block-outermost layout", backend=backend.name,
-                                expected="a B... layout (block outermost)", actual=name)
+            raise where.fail("a backend that indexes K/V by block stride needs a "
+                             "block-outermost layout",
+                             expected="a B... layout (block outermost)", actual=name)
     elif name != DEFAULT_LAYOUT:
-        raise ClauseFailure(clause, "a backend that does not index by block stride gets the "
-                            "default layer-outermost layout", backend=backend.name,
-                            expected=DEFAULT_LAYOUT, actual=name)
+        raise where.fail("a backend that does not index by block stride gets the "
+                         "default layer-outermost layout",
+                         expected=DEFAULT_LAYOUT, actual=name)
     if cache_config.kv_cache_layout != name:
-        raise ClauseFailure(clause, "resolution did not record the layout name on "
-                            "CacheConfig.kv_cache_layout", backend=backend.name,
-                            expected=name, actual=cache_config.kv_cache_layout)
+        raise where.fail("resolution did not record the layout name on "
+                         "CacheConfig.kv_cache_layout",
+                         expected=name, actual=cache_config.kv_cache_layout)
     try:
         got = cache_config.get_resolved_kv_cache_layout()
     except Exception as exc:
-        raise ClauseFailure(clause, f"get_resolved_kv_cache_layout() raised after resolution: "
-                            f"{exc!r}", backend=backend.name) from exc
+        raise where.fail(f"get_resolved_kv_cache_layout() raised after resolution: "
+                         f"{exc!r}") from exc
     if got is not compat.layout(name):
-        raise ClauseFailure(clause, "get_resolved_kv_cache_layout() disagrees with the recorded "
-                            "name", backend=backend.name, expected=name, actual=got)
+        raise where.fail("get_resolved_kv_cache_layout() disagrees with the recorded "
+                         "name", expected=name, actual=got)
 
 
 # --- KV-L3 .. KV-L8 -------------------------------------------------------------
@@ -188,29 +194,19 @@ def _refusal_problem(call: Callable[[], Any], vllm_config: Any,
             expected, _name(got))
 
 
-def _fail(clause: str, backend: BackendUnderTest, what: str, problem: Problem,
-          layout: str | None) -> ClauseFailure:
+def _add(problems: Problems, what: str, problem: Problem, layout: str, verb: str) -> None:
+    """Record ``problem`` of the sub-scenario ``what`` (``verb``: who went wrong)."""
     detail, expected, actual = problem
-    return ClauseFailure(clause, f"{what}, but resolution {detail}", backend=backend.name,
-                         layout=layout, expected=expected, actual=actual)
-
-
-def _fail_all(clause: str, backend: BackendUnderTest,
-              problems: list[tuple[str, str, Problem]]) -> None:
-    """One failure naming every sub-scenario that went wrong (first one's expected/actual)."""
-    if not problems:
-        return
-    lines = [f"{what}, but it {problem[0]}" for _, what, problem in problems]
-    layout, _, (_, expected, actual) = problems[0]
-    raise ClauseFailure(clause, "; ".join(lines), backend=backend.name, layout=layout,
-                        expected=expected, actual=actual)
+    problems.add(f"{what}, but {verb} {detail}", layout=layout, expected=expected, actual=actual)
 
 
 def check_kv_l3(backend: BackendUnderTest) -> None:
     """KV-L3: consistent pinned / connector-required layouts are kept, idempotently."""
     clause = "KV-L3"
+    where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     need = declared_need(clause, backend)
+    problems = Problems(where)
     for name in layouts_for(need, consistent=True):
         member = compat.layout(name)
         pinned, required, both = _config(name), _config(None), _config(name)
@@ -226,14 +222,17 @@ def check_kv_l3(backend: BackendUnderTest) -> None:
             problem = _kept_problem(partial(_resolve, vllm_config, need, req), vllm_config,
                                     name, (name,))
             if problem is not None:
-                raise _fail(clause, backend, what, problem, name)
+                _add(problems, what, problem, name, "resolution")
+    problems.raise_any()
 
 
 def check_kv_l4(backend: BackendUnderTest) -> None:
     """KV-L4: a contradictory pinned / connector-required layout raises, config untouched."""
     clause = "KV-L4"
+    where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     need = declared_need(clause, backend)
+    problems = Problems(where)
     for name in layouts_for(need, consistent=False):
         pinned, required = _config(name), _config(None)
         scenarios = (
@@ -246,12 +245,14 @@ def check_kv_l4(backend: BackendUnderTest) -> None:
             problem = _refusal_problem(partial(_resolve, vllm_config, need, req), vllm_config,
                                        (name,))
             if problem is not None:
-                raise _fail(clause, backend, what, problem, name)
+                _add(problems, what, problem, name, "resolution")
+    problems.raise_any()
 
 
 def check_kv_l5(backend: BackendUnderTest) -> None:
     """KV-L5: the backend-layout assertion: silent unresolved, passes consistent, raises else."""
     clause = "KV-L5"
+    where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     cls = backend_class(clause, backend)
     need = declared_need(clause, backend)
@@ -259,36 +260,36 @@ def check_kv_l5(backend: BackendUnderTest) -> None:
     try:
         compat.assert_backend_layout_supported(unresolved, cls)
     except Exception as exc:
-        raise ClauseFailure(clause, "assert_backend_layout_supported raised while the layout is "
-                            "unresolved (a worker not yet told the layout must not crash): "
-                            f"{exc!r}", backend=backend.name, expected="silence",
-                            actual=repr(exc)) from exc
+        raise where.fail("assert_backend_layout_supported raised while the layout is "
+                         "unresolved (a worker not yet told the layout must not crash): "
+                         f"{exc!r}", expected="silence",
+                         actual=repr(exc)) from exc
     if unresolved.cache_config.kv_cache_layout is not None:
-        raise ClauseFailure(clause, "assert_backend_layout_supported pinned a layout on an "
-                            "unresolved config; the worker would then disagree with the control "
-                            "plane", backend=backend.name, expected=None,
-                            actual=unresolved.cache_config.kv_cache_layout)
+        raise where.fail("assert_backend_layout_supported pinned a layout on an "
+                         "unresolved config; the worker would then disagree with the control "
+                         "plane", expected=None,
+                         actual=unresolved.cache_config.kv_cache_layout)
     for name in layouts_for(need, consistent=True):
         try:
             compat.assert_backend_layout_supported(_config(name), cls)
         except Exception as exc:
-            raise ClauseFailure(clause, f"assert_backend_layout_supported raised for layout {name}"
-                                f", which is consistent with indexes_kv_by_block_stride()={need}",
-                                backend=backend.name, layout=name, expected="silence",
-                                actual=repr(exc)) from exc
+            raise where.fail(f"assert_backend_layout_supported raised for layout {name}"
+                             f", which is consistent with indexes_kv_by_block_stride()={need}",
+                             layout=name, expected="silence",
+                             actual=repr(exc)) from exc
     for name in layouts_for(need, consistent=False):
         try:
             compat.assert_backend_layout_supported(_config(name), cls)
         except ValueError:
             continue
         except Exception as exc:
-            raise ClauseFailure(clause, f"assert_backend_layout_supported {_raised(exc)} for "
-                                f"contradictory layout {name}", backend=backend.name,
-                                layout=name, expected="ValueError", actual=repr(exc)) from exc
-        raise ClauseFailure(clause, f"assert_backend_layout_supported stayed silent for layout "
-                            f"{name}, which contradicts indexes_kv_by_block_stride()={need}",
-                            backend=backend.name, layout=name, expected="ValueError",
-                            actual="no exception")
+            raise where.fail(f"assert_backend_layout_supported {_raised(exc)} for "
+                             f"contradictory layout {name}",
+                             layout=name, expected="ValueError", actual=repr(exc)) from exc
+        raise where.fail(f"assert_backend_layout_supported stayed silent for layout "
+                         f"{name}, which contradicts indexes_kv_by_block_stride()={need}",
+                         layout=name, expected="ValueError",
+                         actual="no exception")
 
 
 def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
@@ -299,6 +300,7 @@ def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
     only the executor is a stand-in (it reports fixed specs and memory).
     """
     clause = "KV-L6"
+    where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     need = declared_need(clause, backend)
     case = _PROBE_CASE
@@ -316,22 +318,22 @@ def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
     except Unsupported as exc:
         raise exc.skip(clause) from None
     except Exception as exc:
-        raise ClauseFailure(clause, "the production control plane failed for a paged model "
-                            f"served with this backend: {exc!r}", backend=backend.name) from exc
+        raise where.fail("the production control plane failed for a paged model "
+                         f"served with this backend: {exc!r}") from exc
     pinned = vllm_config.cache_config.kv_cache_layout
     if pinned is None:
-        raise ClauseFailure(clause, "the control plane recorded no layout on "
-                            "CacheConfig.kv_cache_layout", backend=backend.name,
-                            expected="a layout name", actual=None)
+        raise where.fail("the control plane recorded no layout on "
+                         "CacheConfig.kv_cache_layout",
+                         expected="a layout name", actual=None)
     sent = [getattr(c, "kv_cache_layout", None) for c in (*worker_configs, scheduler_config)]
     if not worker_configs or any(name != pinned for name in sent):
-        raise ClauseFailure(clause, "the layout handed to the workers / scheduler is not the one "
-                            "the control plane pinned", backend=backend.name, layout=pinned,
-                            expected=pinned, actual=sent)
+        raise where.fail("the layout handed to the workers / scheduler is not the one "
+                         "the control plane pinned", layout=pinned,
+                         expected=pinned, actual=sent)
     canonical = compat.layout_aliases().get(pinned, pinned)
     if oracle.is_block_outermost(canonical) == need:
         return
-    _, call_kwargs = compat.production_control_plane_call()
+    _, call_kwargs = production_control_plane_call()
     if need and "indexes_kv_by_block_stride" not in call_kwargs:
         detail = ("the control plane never receives indexes_kv_by_block_stride; pinned "
                   f"{pinned} for a backend that needs a block-outermost layout "
@@ -341,9 +343,9 @@ def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
     else:
         detail = (f"the production control plane pinned {pinned} (is_block_outermost="
                   f"{not need}) for a backend declaring indexes_kv_by_block_stride()={need}")
-    raise ClauseFailure(clause, detail, backend=backend.name, layout=pinned,
-                        expected="a block-outermost layout" if need else
-                        "a layer-outermost layout", actual=pinned)
+    raise where.fail(detail, layout=pinned,
+                     expected="a block-outermost layout" if need else
+                     "a layer-outermost layout", actual=pinned)
 
 
 def seam_backend(need: bool) -> BackendUnderTest:
@@ -364,9 +366,10 @@ def check_kv_l7(backend: BackendUnderTest, device: str = "cpu") -> str:
 def check_kv_l8_canonical(backend: BackendUnderTest) -> None:
     """KV-L8: each canonical layout name a user pins is honoured or refused clearly."""
     clause = "KV-L8"
+    where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     need = declared_need(clause, backend)
-    problems: list[tuple[str, str, Problem]] = []
+    problems = Problems(where)
     for name in compat.LAYOUT_NAMES:
         vllm_config = _config(name)
         call = partial(_resolve, vllm_config, need)
@@ -378,20 +381,21 @@ def check_kv_l8_canonical(backend: BackendUnderTest) -> None:
                     "and must be refused with a ValueError naming it")
             problem = _refusal_problem(call, vllm_config, (name,))
         if problem is not None:
-            problems.append((name, what, problem))
-    _fail_all(clause, backend, problems)
+            _add(problems, what, problem, name, "it")
+    problems.raise_any()
 
 
 def check_kv_l8_alias(backend: BackendUnderTest) -> None:
     """KV-L8: the legacy aliases upstream accepts (NHD, HND) are honoured or refused clearly."""
     clause = "KV-L8"
+    where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     need = declared_need(clause, backend)
     aliases = compat.layout_aliases()
     if not aliases:
-        raise ClauseSkip(clause, "installed vLLM accepts no legacy layout alias",
+        raise where.skip("installed vLLM accepts no legacy layout alias",
                          SkipKind.NOT_APPLICABLE)
-    problems: list[tuple[str, str, Problem]] = []
+    problems = Problems(where)
     for alias, canonical in aliases.items():
         vllm_config = _config(alias)
         call = partial(_resolve, vllm_config, need)
@@ -405,23 +409,24 @@ def check_kv_l8_alias(backend: BackendUnderTest) -> None:
                     "ValueError naming it")
             problem = _refusal_problem(call, vllm_config, (alias, canonical))
         if problem is not None:
-            problems.append((alias, what, problem))
-    _fail_all(clause, backend, problems)
+            _add(problems, what, problem, alias, "it")
+    problems.raise_any()
 
 
 def check_kv_l8_worker_alias(backend: BackendUnderTest) -> None:
     """KV-L8: a worker pinned to an alias of the control plane's layout agrees with it."""
     clause = "KV-L8"
+    where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     need = declared_need(clause, backend)
     aliases = compat.layout_aliases()
     usable = {a: c for a, c in aliases.items() if oracle.is_block_outermost(c) == need}
     if not usable:
         listing = ", ".join(f"{a}->{c}" for a, c in aliases.items()) or "none"
-        raise ClauseSkip(clause, "no legacy alias names a layout consistent with this backend "
+        raise where.skip("no legacy alias names a layout consistent with this backend "
                          f"(aliases: {listing}), so no control plane pins one",
                          SkipKind.NOT_APPLICABLE)
-    problems: list[tuple[str, str, Problem]] = []
+    problems = Problems(where)
     for alias, canonical in usable.items():
         worker = _config(alias)
         sent = compat.kv_cache_config_with_layout(canonical)
@@ -435,15 +440,32 @@ def check_kv_l8_worker_alias(backend: BackendUnderTest) -> None:
                 problem = ("left get_resolved_kv_cache_layout() at another layout", canonical,
                            _name(got))
         if problem is not None:
-            problems.append((alias, what, problem))
-    _fail_all(clause, backend, problems)
+            _add(problems, what, problem, alias, "it")
+    problems.raise_any()
+
+
+@contextlib.contextmanager
+def _env_var(name: str, value: str | None) -> Iterator[None]:
+    """Set (or unset) an environment variable and restore it, whatever happens."""
+    old = os.environ.get(name)
+    try:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def _env_problem(need: bool, value: str, consistent: bool, device: str) -> Problem | None:
     """Resolve a production config built under ``VLLM_KV_CACHE_LAYOUT=value``."""
     var = compat.LAYOUT_ENV_VAR
     expected = value if consistent else f"ValueError naming {value} or {var}"
-    with compat.env_var(var, value):
+    with _env_var(var, value):
         try:
             vllm_config = compat.production_vllm_config(device)
             got = _resolve(vllm_config, need)
@@ -466,11 +488,12 @@ def _env_problem(need: bool, value: str, consistent: bool, device: str) -> Probl
 def check_kv_l8_env(backend: BackendUnderTest, device: str = "cpu") -> None:
     """KV-L8: ``VLLM_KV_CACHE_LAYOUT`` is honoured when consistent, refused when not."""
     clause = "KV-L8"
+    where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     need = declared_need(clause, backend)
     var = compat.LAYOUT_ENV_VAR
     before = os.environ.get(var)
-    problems: list[tuple[str, str, Problem]] = []
+    problems = Problems(where)
     consistent_value, contradicting_value = _ENV_PICKS[need]
     for value, consistent in ((consistent_value, True), (contradicting_value, False)):
         relation = "consistent with" if consistent else "contradicts"
@@ -478,8 +501,8 @@ def check_kv_l8_env(backend: BackendUnderTest, device: str = "cpu") -> None:
                 + ("honoured" if consistent else "refused with a ValueError"))
         problem = _env_problem(need, value, consistent, device)
         if problem is not None:
-            problems.append((value, what, problem))
+            _add(problems, what, problem, value, "it")
     if os.environ.get(var) != before:
-        problems.append(("", f"{var} leaked out of the check",
-                         ("was not restored", before, os.environ.get(var))))
-    _fail_all(clause, backend, problems)
+        problems.add(f"{var} leaked out of the check, but it was not restored", layout="",
+                     expected=before, actual=os.environ.get(var))
+    problems.raise_any()

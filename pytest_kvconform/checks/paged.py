@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_kvconform import compat, paged_drivers
-from pytest_kvconform.checks.common import backend_class, declared_need
+from pytest_kvconform.checks.common import Where, backend_class, declared_need
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind, Unsupported
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.outcomes import HarnessError
@@ -241,6 +241,7 @@ class _Ctx:
     def __init__(self, backend: BackendUnderTest, case: Case, layout: str,
                  block_ids: list[list[int]], driver: Any, data: _Data) -> None:
         self.backend, self.case, self.layout = backend, case, layout
+        self.where = Where(CLAUSE, backend=backend.name, case=case, layout=layout)
         self.block_ids, self.driver, self.data = block_ids, driver, data
         self.tol = TOLERANCE[case.dtype]
 
@@ -322,5 +323,4 @@ class _Ctx:
         return None
 
     def _fail(self, detail: str, **kw: Any) -> ClauseFailure:
-        return ClauseFailure(CLAUSE, f"{self.layout}: {detail}", backend=self.backend.name,
-                             case=self.case.id, layout=self.layout, **kw)
+        return self.where.fail_at(self.layout, detail, **kw)

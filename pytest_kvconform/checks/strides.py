@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pytest_kvconform import compat, oracle
 from pytest_kvconform.checks import bytemap
+from pytest_kvconform.checks.common import Where
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, Unsupported
 from pytest_kvconform.checks.geometry import geometry_for, page_stride
 from pytest_kvconform.model import Case
@@ -33,31 +33,6 @@ TENSOR_FIELDS = ("size", "layer_stride", "block_stride", "offset")
 SPLIT_ERROR: tuple[type[Exception], str] = (
     ValueError, "does not store blocks as dense, unpadded pages")
 PADDING_ERROR: tuple[type[Exception], str] = (AssertionError, "Page padding requires")
-
-
-@dataclass(frozen=True)
-class _Where:
-    """The clause and the parametrisation every failure names."""
-
-    clause: str
-    case: Case
-    layout: str
-
-    def fail(self, source: str, detail: str, *, expected: object = None,
-             actual: object = None) -> ClauseFailure:
-        return ClauseFailure(self.clause, f"{source}: {detail}", case=self.case.id,
-                             layout=self.layout, expected=expected, actual=actual)
-
-    def call(self, source: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run production code; an exception is a violation here, not a crash."""
-        try:
-            return fn(*args, **kwargs)
-        except (ClauseFailure, ClauseSkip):
-            raise
-        except Unsupported as exc:
-            raise exc.skip(self.clause) from None
-        except Exception as exc:
-            raise self.fail(source, f"raised {type(exc).__name__}: {exc}") from exc
 
 
 # --- expected values ------------------------------------------------------------------
@@ -97,41 +72,42 @@ def planned_config(case: Case, layout: str, *, hybrid: bool = False) -> Any:
     return compat.get_kv_cache_configs(vllm_config, specs, [memory] * len(specs))[0]
 
 
-def _check_num_blocks(where: _Where, config: Any) -> None:
-    if config.num_blocks != where.case.num_pages:
-        raise where.fail(PLANNER_SOURCE, f"memory for {where.case.num_pages} pages per layer "
-                         "was planned as a different number of blocks",
-                         expected=where.case.num_pages, actual=config.num_blocks)
+def _check_num_blocks(where: Where, config: Any) -> None:
+    pages = where.the_case.num_pages
+    if config.num_blocks != pages:
+        raise where.fail_at(PLANNER_SOURCE, f"memory for {pages} pages per layer "
+                            "was planned as a different number of blocks",
+                            expected=pages, actual=config.num_blocks)
 
 
-def _single_tensor(where: _Where, config: Any) -> Any:
+def _single_tensor(where: Where, config: Any) -> Any:
     _check_num_blocks(where, config)
     tensors = list(config.kv_cache_tensors)
-    names = compat.layer_names(where.case)
+    names = compat.layer_names(where.the_case)
     if len(tensors) != 1 or list(tensors[0].layers) != names:
-        raise where.fail(PLANNER_SOURCE, "one group of identical layers should be placed by "
-                         "one KVCacheTensor over all layers in order", expected=[names],
-                         actual=[list(t.layers) for t in tensors])
+        raise where.fail_at(PLANNER_SOURCE, "one group of identical layers should be placed by "
+                            "one KVCacheTensor over all layers in order", expected=[names],
+                            actual=[list(t.layers) for t in tensors])
     return tensors[0]
 
 
 # --- comparisons -------------------------------------------------------------------------
 
 
-def compare_tensor(where: _Where, source: str, tensor: Any, expected: oracle.OracleTensor,
+def compare_tensor(where: Where, source: str, tensor: Any, expected: oracle.OracleTensor,
                    layers: Sequence[str], fields: Sequence[str] = TENSOR_FIELDS) -> None:
     """The first field of ``tensor`` that differs from the oracle fails the clause."""
     if list(tensor.layers) != list(layers):
-        raise where.fail(source, "KVCacheTensor.layers differ", expected=list(layers),
-                         actual=list(tensor.layers))
+        raise where.fail_at(source, "KVCacheTensor.layers differ", expected=list(layers),
+                            actual=list(tensor.layers))
     for name in fields:
         want, got = getattr(expected, name), getattr(tensor, name)
         if want != got:
-            raise where.fail(source, f"KVCacheTensor.{name} differs from the oracle",
-                             expected={name: want}, actual={name: got})
+            raise where.fail_at(source, f"KVCacheTensor.{name} differs from the oracle",
+                                expected={name: want}, actual={name: got})
 
 
-def compare_bytes(where: _Where, source: str, found: bytemap.ByteMap,
+def compare_bytes(where: Where, source: str, found: bytemap.ByteMap,
                   table: np.ndarray | None, size: int, *, dense: bool) -> None:
     """Written-back addresses against the oracle table; the first difference fails.
 
@@ -139,14 +115,14 @@ def compare_bytes(where: _Where, source: str, found: bytemap.ByteMap,
     ``table=None``: no oracle for this group, only bounds and disjointness.
     """
     if table is not None and found.shape != table.shape:
-        raise where.fail(source, "the views' logical [L, B, H, N, C(bytes)] shape differs",
-                         expected=table.shape, actual=found.shape)
+        raise where.fail_at(source, "the views' logical [L, B, H, N, C(bytes)] shape differs",
+                            expected=table.shape, actual=found.shape)
     outside = (found.written < 0) | (found.written >= size)
     if outside.any():
         at = int(np.argmax(outside))
         cell = found.cell(int(found.owner[at]))
-        raise where.fail(source, f"cell {bytemap.describe(cell)} lies outside the allocation "
-                         f"[0, {size})", expected="inside" if table is None else
+        raise where.fail_at(source, f"cell {bytemap.describe(cell)} lies outside the allocation "
+                            f"[0, {size})", expected="inside" if table is None else
                          f"byte {int(table[cell])}",
                          actual=f"byte {int(found.written[at])}")
     lost = found.actual < 0
@@ -154,52 +130,52 @@ def compare_bytes(where: _Where, source: str, found: bytemap.ByteMap,
         cell = found.cell(int(np.argmax(lost.ravel())))
         address = found.metadata_address(cell)
         other = found.owner_at(address)
-        raise where.fail(source, f"cells {bytemap.describe(cell)} and "
-                         f"{bytemap.describe(other) if other else '(unknown)'} of one group share "
-                         f"byte {address}", expected="distinct bytes",
-                         actual=f"both at byte {address}")
+        named = bytemap.describe(other) if other else "(unknown)"
+        raise where.fail_at(source, f"cells {bytemap.describe(cell)} and {named} of one group "
+                            f"share byte {address}", expected="distinct bytes",
+                            actual=f"both at byte {address}")
     wrong = np.zeros(found.shape, dtype=bool) if table is None else found.actual != table
     if table is not None and wrong.any():
         cell = found.cell(int(np.argmax(wrong.ravel())))
-        raise where.fail(source, f"cell {bytemap.describe(cell)} is not at the oracle's byte",
-                         expected=f"byte {int(table[cell])}",
-                         actual=f"byte {int(found.actual[cell])}")
+        raise where.fail_at(source, f"cell {bytemap.describe(cell)} is not at the oracle's byte",
+                            expected=f"byte {int(table[cell])}",
+                            actual=f"byte {int(found.actual[cell])}")
     if dense and found.written.size != size:
         covered = np.zeros(size, dtype=bool)
         covered[found.written] = True
         gap = int(np.argmin(covered))
-        raise where.fail(source, f"a dense group must cover its allocation exactly, but byte "
-                         f"{gap} of [0, {size}) is addressed by no cell",
+        raise where.fail_at(source, f"a dense group must cover its allocation exactly, but byte "
+                            f"{gap} of [0, {size}) is addressed by no cell",
                          expected=f"{size} bytes covered", actual=f"{found.written.size}")
 
 
-def _views_in_order(where: _Where, source: str, views: dict[str, Any] | Sequence[Any],
+def _views_in_order(where: Where, source: str, views: dict[str, Any] | Sequence[Any],
                     layers: Sequence[str]) -> list[Any]:
     if isinstance(views, dict):
         missing = [name for name in layers if name not in views]
         if missing:
-            raise where.fail(source, "no view for some layers", expected=list(layers),
-                             actual=sorted(views))
+            raise where.fail_at(source, "no view for some layers", expected=list(layers),
+                                actual=sorted(views))
         return [views[name] for name in layers]
     if len(views) != len(layers):
-        raise where.fail(source, "one view per layer expected", expected=len(layers),
-                         actual=len(views))
+        raise where.fail_at(source, "one view per layer expected", expected=len(layers),
+                            actual=len(views))
     return list(views)
 
 
-def check_views(where: _Where, source: str, views: Sequence[Any], whole: Any, base: int,
+def check_views(where: Where, source: str, views: Sequence[Any], whole: Any, base: int,
                 table: np.ndarray | None, size: int, *, dense: bool) -> None:
     """Write the pattern through one group's views and compare with the oracle."""
     try:
         found = bytemap.read_back(views, whole, base)
     except bytemap.InternalOverlap as exc:
-        raise where.fail(source, f"cells of one view share a byte: {exc}") from exc
+        raise where.fail_at(source, f"cells of one view share a byte: {exc}") from exc
     except ValueError as exc:
-        raise where.fail(source, str(exc)) from exc
+        raise where.fail_at(source, str(exc)) from exc
     compare_bytes(where, source, found, table, size, dense=dense)
 
 
-def _created_views(where: _Where, case: Case, layout: str, tensor: Any, size: int,
+def _created_views(where: Where, case: Case, layout: str, tensor: Any, size: int,
                    device: str, kernel_block_size: int | None = None
                    ) -> tuple[list[Any], Any, int]:
     """``create_kv_cache_views`` over a guarded buffer of ``size`` bytes."""
@@ -214,7 +190,7 @@ def _created_views(where: _Where, case: Case, layout: str, tensor: Any, size: in
 
 def check_kv_s1(layout: str, case: Case) -> None:
     """KV-S1: production KVCacheTensor fields equal the oracle's, from both sources."""
-    where = _Where("KV-S1", case, layout)
+    where = Where("KV-S1", case=case, layout=layout)
     compat.require_omni(where.clause)
     layers = compat.layer_names(case)
     # A KVCacheTensor is per manager block: kernel splitting does not change it.
@@ -231,7 +207,7 @@ def check_kv_s2(layout: str, case: Case, device: str) -> None:
     The views get the oracle's tensor, so a wrong tensor (KV-S1) cannot hide or cause
     a view defect here.  Upstream only: runs without vllm-omni too.
     """
-    where = _Where("KV-S2", case, layout)
+    where = Where("KV-S2", case=case, layout=layout)
     geom = geometry_for(case)
     table = oracle.address_table(layout, geom)
     expected = oracle.expected_tensor(layout, geom)
@@ -249,7 +225,7 @@ def check_kv_s2_allocate(layout: str, case: Case, device: str) -> None:
 
     The planner is driven through vllm-omni's production config builder.
     """
-    where = _Where("KV-S2", case, layout)
+    where = Where("KV-S2", case=case, layout=layout)
     compat.require_omni(where.clause)
     geom = geometry_for(case)
     table = oracle.address_table(layout, geom)
@@ -266,15 +242,15 @@ def check_kv_s2_allocate(layout: str, case: Case, device: str) -> None:
 
 def check_kv_s3(layout: str, case: Case) -> None:
     """KV-S3: block-outermost packs all layers per block; layer-outermost, a run per layer."""
-    where = _Where("KV-S3", case, layout)
+    where = Where("KV-S3", case=case, layout=layout)
     compat.require_omni(where.clause)
     member = compat.layout(layout)
     block_outer = oracle.is_block_outermost(layout)
     production_flag = where.call("KVCacheLayout.is_block_outermost",
                                  lambda: member.is_block_outermost)
     if production_flag is not block_outer:
-        raise where.fail("KVCacheLayout.is_block_outermost", "disagrees with the layout's "
-                         "physical axis order", expected=block_outer, actual=production_flag)
+        raise where.fail_at("KVCacheLayout.is_block_outermost", "disagrees with the layout's "
+                            "physical axis order", expected=block_outer, actual=production_flag)
     page = page_stride(case)
     if block_outer:
         name, want = "block_stride", page * case.num_layers
@@ -283,16 +259,16 @@ def check_kv_s3(layout: str, case: Case) -> None:
         name, want = "layer_stride", page * case.num_pages
         rule = f"page_size * num_blocks = {page} * {case.num_pages}"
     else:  # every layout is one or the other today; a new one would need a rule
-        raise where.fail("KV-S3", f"layout {layout} is neither block- nor layer-outermost")
+        raise where.fail_at("KV-S3", f"layout {layout} is neither block- nor layer-outermost")
     tensor = where.call(OMNI_SOURCE, omni_tensor, case, layout)
     config = where.call(PLANNER_SOURCE, planned_config, case, layout)
     for source, got in ((OMNI_SOURCE, tensor), (PLANNER_SOURCE, _single_tensor(where, config))):
         if getattr(got, name) != want:
-            raise where.fail(source, f"{name} must be {rule}", expected={name: want},
-                             actual={name: getattr(got, name)})
+            raise where.fail_at(source, f"{name} must be {rule}", expected={name: want},
+                                actual={name: getattr(got, name)})
 
 
-def _documented_or_fail(where: _Where, source: str, run: Callable[[], Any],
+def _documented_or_fail(where: Where, source: str, run: Callable[[], Any],
                         unsupported: oracle.OracleUnsupported,
                         documented: Sequence[tuple[type[Exception], str]]) -> None:
     """The oracle cannot lay this out: production must raise one of ``documented``.
@@ -309,16 +285,16 @@ def _documented_or_fail(where: _Where, source: str, run: Callable[[], Any],
     except Exception as exc:
         if any(isinstance(exc, kind) and text in str(exc) for kind, text in documented):
             return
-        raise where.fail(source, f"raised {type(exc).__name__}: {exc}, not the documented "
-                         f"error, for a geometry that cannot be laid out ({unsupported})",
-                         expected=expected, actual=f"{type(exc).__name__}: {exc}") from exc
-    raise where.fail(source, f"silently produced views for a geometry that cannot be laid out "
-                     f"({unsupported})", expected=expected, actual="views, no error")
+        raise where.fail_at(source, f"raised {type(exc).__name__}: {exc}, not the documented "
+                            f"error, for a geometry that cannot be laid out ({unsupported})",
+                            expected=expected, actual=f"{type(exc).__name__}: {exc}") from exc
+    raise where.fail_at(source, f"silently produced views for a geometry that cannot be laid out "
+                        f"({unsupported})", expected=expected, actual="views, no error")
 
 
 def check_kv_s4(layout: str, case: Case, device: str) -> None:
     """KV-S4: kernel-block splitting and padded pages: oracle views or the documented error."""
-    where = _Where("KV-S4", case, layout)
+    where = Where("KV-S4", case=case, layout=layout)
     compat.require_omni(where.clause)
     geom = geometry_for(case)
     kernel = case.kernel_block_size
@@ -359,12 +335,12 @@ def check_kv_s4(layout: str, case: Case, device: str) -> None:
     check_views(where, ALLOCATE_SOURCE, views, whole, base, table, planned.size, dense=dense)
 
 
-def _check_groups(where: _Where, source: str, config: Any, device: str) -> None:
+def _check_groups(where: Where, source: str, config: Any, device: str) -> None:
     """Per group: strides and every byte per the oracle, in bounds, layers disjoint.
 
     Groups alias each other by design, so each is written and read back on its own.
     """
-    case, layout = where.case, where.layout
+    case, layout = where.the_case, where.layout or ""
     groups = list(config.kv_cache_groups)
     tensors = list(config.kv_cache_tensors)
     allocated = where.call(ALLOCATE_SOURCE, compat.allocate_kv_cache, config, device,
@@ -374,9 +350,9 @@ def _check_groups(where: _Where, source: str, config: Any, device: str) -> None:
         names = list(group.layer_names)
         mine = [t for t in tensors if set(t.layers) <= set(names)]
         if len(mine) != 1 or list(mine[0].layers) != names:
-            raise where.fail(source, f"group {index} should be placed by one KVCacheTensor "
-                             "over its layers in order", expected=[names],
-                             actual=[list(t.layers) for t in tensors])
+            raise where.fail_at(source, f"group {index} should be placed by one KVCacheTensor "
+                                "over its layers in order", expected=[names],
+                                actual=[list(t.layers) for t in tensors])
         tensor = mine[0]
         geom = geometry_for(case, num_layers=len(names))
         # Unequal groups pad each block to the largest group's pages: no oracle table.
@@ -399,14 +375,14 @@ def check_kv_s5(layout: str, case: Case, device: str) -> None:
     group stays separate), and a two-group config built by hand from vllm-omni's
     ``build_kv_cache_tensor`` per group.
     """
-    where = _Where("KV-S5", case, layout)
+    where = Where("KV-S5", case=case, layout=layout)
     compat.require_omni(where.clause)
     config = where.call(PLANNER_SOURCE, planned_config, case, layout, hybrid=True)
     _check_num_blocks(where, config)
     if len(config.kv_cache_groups) != case.num_groups:
-        raise where.fail(PLANNER_SOURCE, "the planner did not keep the attention types in "
-                         "separate cache groups", expected=case.num_groups,
-                         actual=len(config.kv_cache_groups))
+        raise where.fail_at(PLANNER_SOURCE, "the planner did not keep the attention types in "
+                            "separate cache groups", expected=case.num_groups,
+                            actual=len(config.kv_cache_groups))
     _check_groups(where, PLANNER_SOURCE, config, device)
 
     specs = compat.worker_specs(case)[0]
