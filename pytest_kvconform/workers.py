@@ -1,11 +1,30 @@
-"""Spawned worker processes for the adoption clauses (KV-A): pool, pipe protocol, child loop.
+"""Worker processes for the adoption clauses (KV-A): pool, pipe protocol, child loop.
 
-A worker is a real process started with the ``spawn`` method, as vllm-omni's
-multiproc executor starts its workers, so nothing pinned in the test process
-leaks into it.  Importing vLLM / vllm-omni costs ~20 s, so workers are pooled
-per (device, slot) and reused for the whole session; a dead worker is replaced
-on the next request, and the request that saw it die raises :class:`WorkerDied`
-carrying the tail of its stderr.
+A worker is a real, separate process, so nothing pinned in the test process leaks
+into it: its config starts unpinned and its rank-local config crosses the process
+boundary as the executor's frames.  Importing vLLM / vllm-omni costs ~10 s idle
+(20-45 s loaded), so (issue 12):
+
+- a CPU worker is forked from a fork server (``forkserver.py``, multiprocessing's
+  ``forkserver`` method) that imported the preload once: a worker starts in under
+  a second, not ~10 s.  The server only imports; each worker still loads the
+  plugins, sets its stderr and ties itself to the test process itself, and gets the
+  test process's environment at start (not the server's).  The server is started
+  before collection (``KvWorkers.speculate``), so its imports overlap discovery.
+  Not chosen: lazy per-clause imports (every one of KV-A2..A6 needs the whole
+  preload: the worker builds a production config and allocates through vLLM);
+  workers shared per host by xdist workers (one process would then serve two
+  sessions: its lifetime, its faults and per-GPU pinning would need a broker).
+- a GPU worker (``gpu:<id>`` or a torch device string) is spawned, as vllm-omni's
+  multiproc executor starts its workers, and as before: it pins
+  ``CUDA_VISIBLE_DEVICES`` before anything imports torch.  Forking it from a server
+  that imported torch and vLLM would only be safe if those imports never
+  initialised CUDA nor cached a device count, which no GPU-less host can show; a
+  forked worker refuses to run if torch's CUDA is already initialised in it.
+
+Workers are pooled per (device, slot) and reused for the whole session; a dead
+worker is replaced on the next request, and the request that saw it die raises
+:class:`WorkerDied` carrying the tail of its stderr.
 
 Protocol: one dict per message over a ``multiprocessing.Pipe``; the child answers
 ``{"ok": True, "result": ...}`` or ``{"ok": False, "error": ..., "traceback": ...}``.
@@ -21,7 +40,7 @@ worker's narrowed ``CUDA_VISIBLE_DEVICES`` is not inherited).  A plain torch
 device string (``"cuda:1"``) inherits the parent's environment.
 
 Seeded faults reach the child through the command, not through monkeypatching
-(which a spawned child never sees): the parent forwards ``$KVCONFORM_WORKER_FAULT``
+(which a child process never sees): the parent forwards ``$KVCONFORM_WORKER_FAULT``
 with every command; :func:`active_fault` says which one is active, so a
 qualification run can refuse it.  ``skip_adoption`` and ``wrong_offset`` are
 contract faults (the clause must fail); ``hang``, ``die`` and ``oom`` are process
@@ -31,11 +50,14 @@ Process faults are harness errors (:class:`~pytest_kvconform.outcomes.HarnessErr
 never clause failures: :class:`WorkerDied`, :class:`WorkerTimeout` (the worker was
 killed; the pool replaces it on the next request) and :class:`WorkerOOM` (with the
 bytes asked for and free; the worker dropped its allocation and keeps serving).
-Every wait is bounded: start-up by ``STARTUP_TIMEOUT_S``, each command by what is
+Every wait is bounded: start-up by ``STARTUP_TIMEOUT_S`` (the fork server's imports
+and the worker's own start-up each), each command by what is
 left of the per-test budget (``budget.py``, ``--kv-timeout``), else ``COMMAND_TIMEOUT_S``.
 
 Lifetime: a worker never outlives its parent (``lifetime.py``: parent-death signal
-plus a lifeline-pipe watchdog), ignores SIGINT (its parent decides when it stops),
+plus a lifeline-pipe watchdog; a forked worker's parent-death signal is tied to the
+fork server, which is tied to the test process, its lifeline to the test process
+itself), ignores SIGINT (its parent decides when it stops),
 and with ``$KVCONFORM_WORKER_PIDDIR`` set writes ``<pid>.worker`` there, so a test can
 check by PID that nothing is left.
 
@@ -311,9 +333,7 @@ class WorkerHandle:
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> dict[str, Any]:
         if not self.ready:
-            started = time.monotonic()
-            self.launch(timeout)
-            timeout = max(0.0, timeout - (time.monotonic() - started))
+            self.launch(timeout)  # the fork server's imports, then the worker's own: each bounded
             self.info = self._receive("start-up", timeout, budgeted=False)
             self.ready = True
         return self.info
