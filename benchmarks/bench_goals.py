@@ -5,7 +5,9 @@ Run in the default environment:  python benchmarks/bench_goals.py [--label L] [-
 
 - ``floor``: a fresh interpreter importing ``vllm_omni.diffusion.diffusion_kv.layout``;
 - ``serial`` / ``xdist2``: the full ``pytest --kv-conformance`` suite, serial and ``-n 2``;
-- ``worker_start``: one pooled KV-A worker, spawn to ready (``WorkerPool.get``);
+- ``worker_start``: one pooled KV-A worker, from nothing to ready (``WorkerPool.get``: a
+  spawned worker's imports, or the fork server's imports and a fork); ``worker_next``: a
+  second one once the first is ready (another spawn's imports, or just a fork);
 - ``adopt_1`` / ``adopt_40``: ``-k "test_kv_a3 and TORCH_SDPA and perf_..."`` with a case file
   of 40 world-size-1 cases (``perf_cases_plugin`` adds them to KV-A's cases), selecting 1
   and all 40; the marginal case is their difference / 39;
@@ -32,7 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = "import vllm_omni.diffusion.diffusion_kv.layout"
 WORKER = ("import time; from pytest_kvconform import workers; t = time.perf_counter(); "
-          "workers.pool().get(['cpu']); print(time.perf_counter() - t); workers.close_pool()")
+          "workers.pool().get(['cpu']); print(time.perf_counter() - t); "
+          "t = time.perf_counter(); workers.pool().get(['cpu', 'cpu']); "
+          "print(time.perf_counter() - t); workers.close_pool()")
 
 
 def _env() -> dict[str, str]:
@@ -105,9 +109,13 @@ def main() -> int:
         if "worker_start" not in args.skip:
             proc = subprocess.run([py, "-c", WORKER], cwd=tmp, capture_output=True, text=True,
                                   env=_env())
-            start_s = float(proc.stdout.split()[-1]) if proc.returncode == 0 else float("nan")
+            times = [float(x) for x in proc.stdout.split()[-2:]] if proc.returncode == 0 \
+                else [float("nan")] * 2
+            start_s = times[0]
             rows.append(("worker_start", start_s, 0, proc.returncode, load(), "pool().get"))
-            print(f"worker_start: {start_s:.1f}s load {load()}", flush=True)
+            rows.append(("worker_next", times[1], 0, proc.returncode, load(), "a second"))
+            print(f"worker_start: {start_s:.1f}s, next {times[1]:.1f}s load {load()}",
+                  flush=True)
         cases = cases_file(tmp)
         adopt = [*suite, "-p", "perf_cases_plugin", "--kv-cases", cases, "-k"]
         a1 = measure("adopt_1", [*adopt, "test_kv_a3 and TORCH_SDPA and perf_00"], tmp)

@@ -12,7 +12,8 @@ vllm-omni are imported by the checks when they run.
     ['passed', 'passed']
 
 Scope: every clause by default, KV-A included.  The adoption clauses (KV-A2..A6)
-start spawned worker processes, which import vLLM (~20-40 s each, overlapped);
+start worker processes, which need vLLM imported (~20-40 s, overlapped; CPU workers
+fork from one preloaded fork server, ``workers.py``);
 they are closed before ``check_backend`` returns unless a pytest
 ``--kv-conformance`` session in this process still holds them.  Pass
 ``clauses=`` to run fewer.  The per-need seam variants (``need_False`` /

@@ -71,9 +71,11 @@ def pytest_configure(config: pytest.Config) -> None:
 def _speculate_workers(config: pytest.Config, options: Options, session: KvSession) -> None:
     """Start the KV-A workers now if KV-A tests may be selected (issue 12).
 
-    Their ~20 s import then overlaps this process's own import and discovery on a
-    second core; :func:`pytest_collection_finish` drops them if no selected test needs
-    them.  Not on an xdist controller (it runs no test) nor for ``--collect-only``.
+    For CPU workers, their fork server (``forkserver.py``; the workers fork from it
+    after collection).  The ~20 s import then overlaps this process's own import and
+    discovery on a second core; :func:`pytest_collection_finish` drops them (or stops
+    the server) if no selected test needs them.  Not on an xdist controller (it runs
+    no test) nor for ``--collect-only``.
     """
     from pytest_kvconform import selection_guess
 

@@ -1,11 +1,30 @@
-"""Spawned worker processes for the adoption clauses (KV-A): pool, pipe protocol, child loop.
+"""Worker processes for the adoption clauses (KV-A): pool, pipe protocol, child loop.
 
-A worker is a real process started with the ``spawn`` method, as vllm-omni's
-multiproc executor starts its workers, so nothing pinned in the test process
-leaks into it.  Importing vLLM / vllm-omni costs ~20 s, so workers are pooled
-per (device, slot) and reused for the whole session; a dead worker is replaced
-on the next request, and the request that saw it die raises :class:`WorkerDied`
-carrying the tail of its stderr.
+A worker is a real, separate process, so nothing pinned in the test process leaks
+into it: its config starts unpinned and its rank-local config crosses the process
+boundary as the executor's frames.  Importing vLLM / vllm-omni costs ~10 s idle
+(20-45 s loaded), so (issue 12):
+
+- a CPU worker is forked from a fork server (``forkserver.py``, multiprocessing's
+  ``forkserver`` method) that imported the preload once: a worker starts in under
+  a second, not ~10 s.  The server only imports; each worker still loads the
+  plugins, sets its stderr and ties itself to the test process itself, and gets the
+  test process's environment at start (not the server's).  The server is started
+  before collection (``KvWorkers.speculate``), so its imports overlap discovery.
+  Not chosen: lazy per-clause imports (every one of KV-A2..A6 needs the whole
+  preload: the worker builds a production config and allocates through vLLM);
+  workers shared per host by xdist workers (one process would then serve two
+  sessions: its lifetime, its faults and per-GPU pinning would need a broker).
+- a GPU worker (``gpu:<id>`` or a torch device string) is spawned, as vllm-omni's
+  multiproc executor starts its workers, and as before: it pins
+  ``CUDA_VISIBLE_DEVICES`` before anything imports torch.  Forking it from a server
+  that imported torch and vLLM would only be safe if those imports never
+  initialised CUDA nor cached a device count, which no GPU-less host can show; a
+  forked worker refuses to run if torch's CUDA is already initialised in it.
+
+Workers are pooled per (device, slot) and reused for the whole session; a dead
+worker is replaced on the next request, and the request that saw it die raises
+:class:`WorkerDied` carrying the tail of its stderr.
 
 Protocol: one dict per message over a ``multiprocessing.Pipe``; the child answers
 ``{"ok": True, "result": ...}`` or ``{"ok": False, "error": ..., "traceback": ...}``.
@@ -21,7 +40,7 @@ worker's narrowed ``CUDA_VISIBLE_DEVICES`` is not inherited).  A plain torch
 device string (``"cuda:1"``) inherits the parent's environment.
 
 Seeded faults reach the child through the command, not through monkeypatching
-(which a spawned child never sees): the parent forwards ``$KVCONFORM_WORKER_FAULT``
+(which a child process never sees): the parent forwards ``$KVCONFORM_WORKER_FAULT``
 with every command; :func:`active_fault` says which one is active, so a
 qualification run can refuse it.  ``skip_adoption`` and ``wrong_offset`` are
 contract faults (the clause must fail); ``hang``, ``die`` and ``oom`` are process
@@ -31,11 +50,14 @@ Process faults are harness errors (:class:`~pytest_kvconform.outcomes.HarnessErr
 never clause failures: :class:`WorkerDied`, :class:`WorkerTimeout` (the worker was
 killed; the pool replaces it on the next request) and :class:`WorkerOOM` (with the
 bytes asked for and free; the worker dropped its allocation and keeps serving).
-Every wait is bounded: start-up by ``STARTUP_TIMEOUT_S``, each command by what is
+Every wait is bounded: start-up by ``STARTUP_TIMEOUT_S`` (the fork server's imports
+and the worker's own start-up each), each command by what is
 left of the per-test budget (``budget.py``, ``--kv-timeout``), else ``COMMAND_TIMEOUT_S``.
 
 Lifetime: a worker never outlives its parent (``lifetime.py``: parent-death signal
-plus a lifeline-pipe watchdog), ignores SIGINT (its parent decides when it stops),
+plus a lifeline-pipe watchdog; a forked worker's parent-death signal is tied to the
+fork server, which is tied to the test process, its lifeline to the test process
+itself), ignores SIGINT (its parent decides when it stops),
 and with ``$KVCONFORM_WORKER_PIDDIR`` set writes ``<pid>.worker`` there, so a test can
 check by PID that nothing is left.
 
@@ -61,7 +83,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pytest_kvconform import budget, lifetime
+from pytest_kvconform import budget, forkserver, lifetime
 from pytest_kvconform.devices import Unplaceable
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
 from pytest_kvconform.standins import declaring
@@ -143,6 +165,21 @@ def child_device(placement: str) -> tuple[str, str | None]:
     return placement, None
 
 
+def start_method(placement: str) -> str:
+    """``forkserver`` for a CPU worker where a fork server can run; ``spawn`` otherwise.
+
+    GPU workers are spawned: forking one from a process that imported torch and vLLM
+    is only safe if nothing there initialised CUDA or cached a device count, which no
+    host here can show (see the module docstring).
+    """
+    return "forkserver" if placement == "cpu" and forkserver.usable() else "spawn"
+
+
+def server_preload(preload: Sequence[str]) -> tuple[str, ...]:
+    """What the fork server imports for a pool preloading ``preload``: modules only."""
+    return tuple(name for name in preload if name != LOAD_PLUGINS)
+
+
 def rank_placements(n: int, device: str, gpu_ids: Sequence[str],
                     environ: dict[str, str] | None = None) -> list[str] | Unplaceable:
     """Where each of ``n`` ranks runs, this process's GPU first; or why they cannot be placed.
@@ -213,23 +250,65 @@ class WorkerHandle:
         self.device, self.gpu_id = child_device(self.placement)
         label = re.sub(r"[^A-Za-z0-9_.-]", "_", self.placement)
         self.stderr_path = os.path.join(workdir, f"worker-{label}-{key[1]}.log")
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.preload = tuple(preload)
+        self.method = start_method(self.placement)
+        if self.method == "forkserver" and not forkserver.start(server_preload(preload)):
+            self.method = "spawn"  # no server here (another thread): spawn, as before
+        self.conn, child_conn = multiprocessing.Pipe(duplex=True)
         # The parent holds the lifeline's only write end: EOF in the child = parent gone.
-        lifeline, self._lifeline = ctx.Pipe(duplex=False)
-        # A parent-death signal fires when the spawning *thread* exits: arm it only
-        # for workers started from the main thread (the watchdog covers the rest).
-        on_main = threading.current_thread() is threading.main_thread()
-        self.process = ctx.Process(
-            target=_worker_main,
-            args=(child_conn, self.device, self.stderr_path, tuple(preload), self.gpu_id,
-                  (os.getpid(), lifeline, on_main)),
-            name=f"kvconform-worker-{label}-{key[1]}", daemon=True)
-        self.process.start()
-        child_conn.close()
-        lifeline.close()
+        lifeline, self._lifeline = multiprocessing.Pipe(duplex=False)
+        self._child_ends = (child_conn, lifeline)
+        self.started = False
+        self.killed = False
         self.ready = False
         self.info: dict[str, Any] = {}
+        self.process = self._make_process()
+        if self.method == "spawn" or forkserver.is_ready():
+            self._start()
+        # else: forked at wait_ready, once the server's imports are done (bounded there)
+
+    def _make_process(self) -> Any:
+        """The worker's process object, for ``self.method``; not started."""
+        child_conn, lifeline = self._child_ends
+        environ: dict[str, str] | None = None
+        if self.method == "forkserver":
+            # The child's parent is the server (forked from its main thread): the death
+            # signal always fires; the server's environment is replaced by this one.
+            parent = (forkserver.pid() or -1, lifeline, True)
+            environ = dict(os.environ)
+        else:
+            # A parent-death signal fires when the spawning *thread* exits: arm it only
+            # for workers started from the main thread (the watchdog covers the rest).
+            on_main = threading.current_thread() is threading.main_thread()
+            parent = (os.getpid(), lifeline, on_main)
+        label = re.sub(r"[^A-Za-z0-9_.-]", "_", self.placement)
+        context: Any = multiprocessing.get_context(self.method)
+        return context.Process(
+            target=_worker_main,
+            args=(child_conn, self.device, self.stderr_path, self.preload, self.gpu_id,
+                  parent, environ),
+            name=f"kvconform-worker-{label}-{self.key[1]}", daemon=True)
+
+    def _start(self) -> None:
+        self.process.start()
+        self.started = True
+        for end in self._child_ends:
+            end.close()
+
+    def _start_forked(self, timeout: float) -> None:
+        """Fork the worker once the server is ready (within ``timeout``); spawn if it died."""
+        ready = forkserver.wait_ready(timeout)
+        if ready is None:
+            self.kill()
+            forkserver.stop()  # stuck importing: every worker waiting on it would time out
+            raise WorkerTimeout(
+                f"{self!r} did not answer 'start-up' within {timeout:.1f}s and was killed "
+                f"(the pool replaces it; the fork server was still importing)\n"
+                f"--- fork server output (tail) ---\n{forkserver.log_tail()}")
+        if not ready:  # the server died importing: spawn, so the worker reports why itself
+            self.method = "spawn"
+        self.process = self._make_process()  # now: the server it names is the one that forks
+        self._start()
 
     @property
     def pid(self) -> int | None:
@@ -237,6 +316,9 @@ class WorkerHandle:
 
     @property
     def alive(self) -> bool:
+        """Running, or waiting for the fork server to fork it (not yet killed)."""
+        if not self.started:
+            return not self.killed
         return self.process.is_alive()
 
     def __repr__(self) -> str:
@@ -244,8 +326,16 @@ class WorkerHandle:
 
     # -- messaging --
 
+    def launch(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        """Fork a worker still waiting for the fork server (bounded by ``timeout``)."""
+        if not self.started:
+            if self.killed:
+                raise WorkerDied(f"{self!r} was closed before it started")
+            self._start_forked(timeout)
+
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> dict[str, Any]:
         if not self.ready:
+            self.launch(timeout)  # the fork server's imports, then the worker's own: each bounded
             self.info = self._receive("start-up", timeout, budgeted=False)
             self.ready = True
         return self.info
@@ -357,6 +447,9 @@ class WorkerHandle:
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask the worker to exit; terminate, then kill, if it does not."""
+        if not self.started:
+            for end in self._child_ends:
+                end.close()
         if self.alive and self.ready:
             with contextlib.suppress(Exception):
                 self.conn.send({"cmd": "shutdown"})
@@ -366,6 +459,9 @@ class WorkerHandle:
         self._lifeline.close()
 
     def kill(self) -> None:
+        self.killed = True
+        if not self.started:
+            return
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(2)
@@ -385,7 +481,8 @@ class AdoptReport:
     """
 
     pid: int
-    ppid: int
+    ppid: int  # the OS parent: this process, or its fork server
+    parent_pid: int | None  # multiprocessing's parent: this process
     has_parent_process: bool
     start_method: str | None
     cuda_visible_devices: str | None
@@ -450,6 +547,7 @@ class WorkerPool:
         self.workdir = tempfile.mkdtemp(prefix="kvconform-workers-")
         self.workers: dict[tuple[str, int], WorkerHandle] = {}
         self.replaced = 0
+        self._server_held = False  # this pool counts as a user of the fork server
 
     @staticmethod
     def keys(devices: Sequence[str]) -> list[tuple[str, int]]:
@@ -469,11 +567,38 @@ class WorkerPool:
                     handle.close()
                     self.replaced += 1
                 self.workers[key] = WorkerHandle(key, preload=self.preload, workdir=self.workdir)
+                if self.workers[key].method == "forkserver":
+                    self._hold_server()
+
+    def warm(self, devices: Sequence[str]) -> bool:
+        """Start the fork server the workers for ``devices`` would fork from, none of them.
+
+        Its imports then overlap whatever this process does next; False when those
+        workers would be spawned (or no server can start here).
+        """
+        if not all(start_method(device) == "forkserver" for device in devices) or \
+                not forkserver.start(server_preload(self.preload)):
+            return False
+        self._hold_server()
+        return True
+
+    def cool(self) -> None:
+        """Stop using the fork server if no worker of this pool is left (it may stop)."""
+        if self._server_held and not self.workers:
+            self._server_held = False
+            forkserver.release()
+
+    def _hold_server(self) -> None:
+        if not self._server_held:
+            self._server_held = True
+            forkserver.acquire()
 
     def get(self, devices: Sequence[str]) -> list[WorkerHandle]:
         """One ready worker per entry of ``devices`` (rank order); dead ones are replaced."""
         self.prestart(devices)
         handles = [self.workers[key] for key in self.keys(devices)]
+        for handle in handles:  # all forked before any is waited for: they start together
+            handle.launch()
         for handle in handles:
             handle.wait_ready()
         return handles
@@ -482,6 +607,7 @@ class WorkerPool:
         for handle in list(self.workers.values()):
             handle.close()
         self.workers.clear()
+        self.cool()  # after its workers: they die with the server
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -528,6 +654,10 @@ def kill_all() -> None:
         if handle.pid is not None:
             with contextlib.suppress(OSError):
                 os.kill(handle.pid, signal.SIGKILL)
+    server = forkserver.pid()  # its own death signal would follow us anyway
+    if server is not None:
+        with contextlib.suppress(OSError):
+            os.kill(server, signal.SIGKILL)
 
 
 def exit_with_parent() -> None:
@@ -585,11 +715,17 @@ class KvWorkers:
                 return
 
     def speculate(self, n: int) -> None:
-        """:meth:`prestart` before collection, while this process imports and discovers.
+        """Before collection: start what n ranks' workers need, while this process imports
+        and discovers.
 
-        On a host with a spare core the workers' imports then cost no wall time; the
-        workers are dropped again by :func:`drop_speculative` if no selected test uses them.
+        For CPU workers that is the fork server alone (its imports are the cost; the
+        workers fork from it after collection, in under a second each).  GPU workers are
+        spawned now, and dropped again by :func:`drop_speculative` if no selected test
+        uses them.  On a host with a spare core this costs no wall time.
         """
+        placements = rank_placements(n, self.device, self.gpu_ids)
+        if not isinstance(placements, str) and pool().warm(placements):
+            return
         before = set(pool().workers)
         self.prestart(n)
         _speculative.update(set(pool().workers) - before)
@@ -598,14 +734,18 @@ class KvWorkers:
         """After collection: the selected tests need up to n ranks (0: none).
 
         Keeps the speculative workers those ranks use, closes the others, and
-        starts the rest now (their imports overlap the tests before KV-A).
-        Returns how many speculative workers were closed.
+        starts the rest now (their imports overlap the tests before KV-A; forked
+        workers fork once the fork server is ready, at the latest when first used).
+        With none needed, a fork server started on speculation is stopped.  Returns
+        how many speculative workers were closed.
         """
         placements = rank_placements(n, self.device, self.gpu_ids) if n else []
         keep = pool().keys(placements) if not isinstance(placements, Unplaceable) else []
         closed = drop_speculative(keep)
         if n:
             self.prestart(n)
+        else:
+            pool().cool()
         return closed
 
     def __call__(self, n: int = 1) -> list[WorkerHandle]:
@@ -623,6 +763,7 @@ class KvWorkers:
 def process_identity() -> dict[str, Any]:
     """Who this process is, as seen from inside it: the proof of a process boundary."""
     return {"pid": os.getpid(), "ppid": os.getppid(),
+            "parent_pid": getattr(multiprocessing.parent_process(), "pid", None),
             "has_parent_process": multiprocessing.parent_process() is not None,
             "start_method": multiprocessing.get_start_method(allow_none=True),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
@@ -641,8 +782,16 @@ def _tie_to_parent(parent: tuple[int, Any, bool]) -> None:
 
 
 def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str],
-                 gpu_id: str | None = None, parent: tuple[int, Any, bool] | None = None) -> None:
-    """Entry point of a spawned worker: pin its GPU, redirect output, import, answer."""
+                 gpu_id: str | None = None, parent: tuple[int, Any, bool] | None = None,
+                 environ: dict[str, str] | None = None) -> None:
+    """Entry point of a worker: pin its GPU, redirect output, import, answer.
+
+    ``environ``: a forked worker's environment, its parent's at start (a spawned one
+    inherits it; a forked one would get the fork server's).
+    """
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     if parent is not None:  # first, so that not even the imports outlive the parent
         _tie_to_parent(parent)
     if gpu_id is not None:  # first, before anything can import torch or touch CUDA
@@ -657,6 +806,7 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
     started = time.monotonic()
     plugins = None
     try:
+        _refuse_inherited_cuda()
         for name in preload:
             if name == LOAD_PLUGINS:
                 plugins = _load_plugins()
@@ -689,6 +839,18 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc()}
         conn.send(reply)
+
+
+def _refuse_inherited_cuda() -> None:
+    """A forked worker whose server had initialised CUDA must not run (CUDA is not fork-safe)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and multiprocessing.get_start_method(allow_none=True) == "forkserver" \
+            and cuda.is_initialized():
+        raise RuntimeError("this worker was forked from a fork server that had initialised "
+                           "CUDA; the server must only import (kvconform forkserver.py)")
 
 
 def _load_plugins() -> dict[str, Any]:

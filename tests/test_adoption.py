@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pytest_kvconform import oracle
+from pytest_kvconform import forkserver, oracle
 from pytest_kvconform.checks import adoption
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip
 from pytest_kvconform.model import Case
@@ -78,12 +78,21 @@ def test_sized_for_fails_on_a_shifted_offset_with_otherwise_oracle_strides() -> 
 
 @pytest.mark.parametrize(("field", "value"), [
     ("pid", os.getpid()), ("ppid", 1), ("has_parent_process", False), ("start_method", "fork"),
-    ("ppid", None)])
-def test_process_boundary_is_checked_from_the_workers_own_report(field: str,
-                                                                 value: object) -> None:
-    report = AdoptReport(pid=os.getpid() + 1, ppid=os.getpid(), has_parent_process=True,
-                         start_method="spawn", cuda_visible_devices=None, rank=0,
-                         method=None, num_configs=1, fresh_layout=None, received={})
+    ("ppid", None), ("parent_pid", 1), ("parent_pid", None)])
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_process_boundary_is_checked_from_the_workers_own_report(
+        field: str, value: object, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spawned: the OS parent is this process; forked: this process's fork server."""
+    server = os.getpid() + 2
+    monkeypatch.setattr(forkserver, "pid", lambda: server)
+    report = AdoptReport(pid=os.getpid() + 1,
+                         ppid=server if method == "forkserver" else os.getpid(),
+                         parent_pid=os.getpid(), has_parent_process=True, start_method=method,
+                         cuda_visible_devices=None, rank=0, method=None, num_configs=1,
+                         fresh_layout=None, received={})
     adoption._crossed_process_boundary(RUN, 0, report, "LBNHC")
     with pytest.raises(ClauseFailure, match=rf"rank 0: the worker .*\({field}\)"):
         adoption._crossed_process_boundary(RUN, 0, replace(report, **{field: value}), "LBNHC")
+    if method == "forkserver":  # a worker forked by some other server
+        with pytest.raises(ClauseFailure, match=r"\(ppid\)"):
+            adoption._crossed_process_boundary(RUN, 0, replace(report, ppid=server + 1), "LBNHC")

@@ -93,6 +93,47 @@ def test_worker_exits_when_its_parent_is_sigkilled(tmp_path: Path, spawned_from:
         faultkit.kill_leftovers(faultkit.worker_pids(piddir))
 
 
+IMPORTING = '''
+import sys, time
+from pytest_kvconform import forkserver, workers
+
+if __name__ == "__main__":
+    pool = workers.WorkerPool(preload=("kvconform_slow_import",))
+    assert pool.warm(["cpu"])
+    with open(sys.argv[1], "w") as f:
+        f.write(str(forkserver.pid()))
+    time.sleep(600)
+'''
+
+
+def test_fork_server_still_importing_exits_when_its_parent_is_sigkilled(
+        tmp_path: Path) -> None:
+    """multiprocessing's server would notice only after its preload: ours is tied before it."""
+    (tmp_path / "kvconform_slow_import.py").write_text(
+        f"import pathlib, time\npathlib.Path({str(tmp_path / 'importing')!r}).touch()\n"
+        "time.sleep(600)\n")
+    script = tmp_path / "parent.py"
+    script.write_text(IMPORTING)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    pidfile = tmp_path / "server.pid"
+    parent = subprocess.Popen([sys.executable, str(script), str(pidfile)], env=env)
+    server = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "importing").exists() and time.monotonic() < deadline:
+            assert parent.poll() is None, "the parent exited early"
+            time.sleep(0.1)
+        server = int(pidfile.read_text())
+        assert faultkit.alive(server) and server in faultkit.descendants(parent.pid)
+        parent.kill()
+        parent.wait()
+        assert faultkit.wait_gone([server]) == set(), f"fork server {server} outlived its parent"
+    finally:
+        parent.kill()
+        faultkit.kill_leftovers([server] if server else [])
+
+
 def test_hung_command_times_out_within_the_budget_and_is_replaced(
         pool: workers.WorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
     handle = pool.get(["cpu"])[0]

@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pytest_kvconform"
 # Bottom first.  A module may import modules of its own layer or of a layer below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("outcomes", ("pytest_kvconform", "outcomes", "model", "clauses", "cases", "budget",
+                  "forkserver", "forkserver_guard", "forkserver_ready",
                   "faults", "options", "hookspecs", "lifetime", "devices", "standins",
                   "checks.errors")),
     ("oracle", ("oracle",)),

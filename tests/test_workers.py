@@ -1,17 +1,23 @@
-"""The KV-A worker harness: spawned processes, pool reuse, death, clean shutdown.
+"""The KV-A worker harness: child processes, pool reuse, death, clean shutdown.
 
-Pools here preload nothing, so a worker starts in about a second; the suite's
-pool preloads vLLM / vllm-omni instead.
+CPU workers fork from a preloaded fork server (``forkserver.py``); GPU workers are
+spawned.  Pools here preload nothing, so a worker starts in well under a second; the
+suite's pool preloads vLLM / vllm-omni instead (in the fork server, once).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pytest_kvconform import workers
+from pytest_kvconform import forkserver, workers
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +27,24 @@ def pool():
     p.close()
 
 
-def test_workers_are_spawned_processes_reused_per_slot(pool: workers.WorkerPool) -> None:
+def _ppid_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
+
+
+def test_workers_are_forked_processes_reused_per_slot(pool: workers.WorkerPool) -> None:
     first, second = pool.get(["cpu", "cpu"])
-    for handle in (first, second):  # as the child itself sees it: a spawned child of ours
+    server = forkserver.pid()
+    assert server is not None and server != os.getpid()
+    if os.path.exists(f"/proc/{server}/stat"):  # the server is our own child
+        assert _ppid_of(server) == os.getpid()
+    for handle in (first, second):  # as the child itself sees it: forked by our fork server
         for info in (handle.info, handle.ping()):
             assert info["pid"] == handle.pid != os.getpid()
-            assert info["ppid"] == os.getpid()
+            assert info["ppid"] == server
+            assert info["parent_pid"] == os.getpid()
             assert info["has_parent_process"] is True
-            assert info["start_method"] == "spawn"
+            assert info["start_method"] == "forkserver"
     pids = {first.ping()["pid"], second.ping()["pid"]}
     assert len(pids) == 2 and os.getpid() not in pids
     again = pool.get(["cpu"])[0]
@@ -144,7 +160,61 @@ def test_a_gpu_placed_worker_sees_only_its_gpu() -> None:
     try:
         (handle,) = own.get(["gpu:7"])
         info = handle.ping()
+        assert info["start_method"] == "spawn" and info["ppid"] == os.getpid()  # never forked
         assert info["cuda_visible_devices"] == "7" and info["device"] == "cuda:0"
         assert handle.device == "cuda:0" and handle.gpu_id == "7"
     finally:
         own.close()
+
+
+def test_a_forked_worker_gets_its_parents_environment_at_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not the fork server's (started earlier): as a spawned worker would."""
+    own = workers.WorkerPool(preload=())
+    try:
+        assert own.warm(["cpu"]) and forkserver.wait_ready(60)
+        monkeypatch.setenv(workers.PIDDIR_ENV, str(tmp_path))
+        (handle,) = own.get(["cpu"])
+        assert handle.info["start_method"] == "forkserver"
+        assert os.path.exists(os.path.join(tmp_path, f"{handle.pid}.worker"))
+    finally:
+        own.close()
+
+
+STOPS = """
+import os
+from pytest_kvconform import forkserver, workers
+
+if __name__ == "__main__":
+    first, second = workers.WorkerPool(preload=()), workers.WorkerPool(preload=())
+    first.get(["cpu"])
+    server = forkserver.pid()
+    assert second.get(["cpu"])[0].info["ppid"] == server
+    first.close()
+    assert forkserver.running() and forkserver.pid() == server
+    assert second.get(["cpu"])[0].ping()["ppid"] == server  # still serving the other pool
+    second.close()
+    assert forkserver.pid() is None and not os.path.exists(f"/proc/{server}")
+    print("stopped", server)
+"""
+
+
+def test_the_fork_server_stops_with_its_last_pool(tmp_path: Path) -> None:
+    """Pools count as its users: the last one closed stops it (no process left behind).
+
+    In a fresh process: this module's own pool holds this process's server.
+    """
+    script = tmp_path / "stops.py"
+    script.write_text(STOPS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "stopped" in done.stdout, done.stdout + done.stderr
+
+
+def test_server_preload_is_imports_only() -> None:
+    assert workers.LOAD_PLUGINS not in workers.server_preload(workers.PRELOAD)
+    assert workers.server_preload(("a", workers.LOAD_PLUGINS, "b")) == ("a", "b")
+    assert workers.start_method("cpu") == "forkserver"
+    assert workers.start_method("gpu:0") == workers.start_method("cuda:1") == "spawn"

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvconform import compat, executor_wire, oracle
+from pytest_kvconform import compat, executor_wire, forkserver, oracle
 from pytest_kvconform.checks.common import Where, declared_need, unsupported_as_skip
 from pytest_kvconform.checks.errors import (
     ClauseFailure,
@@ -237,16 +237,24 @@ def _same_backend_class(run: _Run, source: Source, handles: Sequence[WorkerHandl
 
 def _crossed_process_boundary(run: _Run, rank: int, report: AdoptReport,
                               layout: str | None) -> None:
-    """The worker says, from inside, that it is a spawned child of this process."""
+    """The worker says, from inside, that it is a child process this process started.
+
+    Spawned: its OS parent is this process.  Forked from this process's fork server
+    (``forkserver.py``): its OS parent is that server; either way multiprocessing
+    names this process as its parent.
+    """
     me = os.getpid()
-    seen = {key: getattr(report, key) for key in ("pid", "ppid", "has_parent_process",
-                                                  "start_method")}
-    want = {"pid": f"not {me}", "ppid": me, "has_parent_process": True, "start_method": "spawn"}
+    seen = {key: getattr(report, key) for key in ("pid", "ppid", "parent_pid",
+                                             "has_parent_process", "start_method")}
+    forked = seen["start_method"] == "forkserver"
+    want = {"pid": f"not {me}", "ppid": forkserver.pid() if forked else me, "parent_pid": me,
+            "has_parent_process": True,
+            "start_method": seen["start_method"] if forked else "spawn"}
     if seen["pid"] == me:
         raise run.fail(f"rank {rank}: the worker ran in the test process (pid)",
                        layout=layout, expected=want, actual=seen)
-    for key in ("ppid", "has_parent_process", "start_method"):
-        if seen[key] != want[key]:
+    for key in ("start_method", "ppid", "parent_pid", "has_parent_process"):
+        if seen[key] != want[key] or seen[key] is None:
             raise run.fail(f"rank {rank}: the worker is not a spawned child of the test "
                            f"process ({key})", layout=layout, expected=want, actual=seen)
 

@@ -1,0 +1,177 @@
+"""The KV-A workers' fork server (issue 12): vLLM / vllm-omni imported once, workers forked.
+
+multiprocessing's ``forkserver`` start method, with a preload: one server process,
+started by the test process, imports the workers' modules once; every worker is
+then forked from it in well under a second instead of importing them again (~10 s
+idle, 20-45 s loaded).  The server only *imports*: it never loads plugins, builds a
+config or touches CUDA (each worker does those itself after the fork), and it is
+used only for ``"cpu"`` placements (``workers.py`` spawns GPU workers, as before).
+
+The server is one per process (a ``multiprocessing`` global), so it is shared by the
+pools of pytester's inline runs; :func:`acquire` / :func:`release` count its users
+and the last release stops it, so no server outlives the session.
+
+Lifetime: its preload starts with :mod:`forkserver_guard`, whose import ties the
+server to the process that started it (parent-death signal, armed before the slow
+imports: a SIGKILLed pytest never leaves a server importing), and ends with
+:mod:`forkserver_ready`, whose import marks the preload done, so a start-up wait is
+bounded (:func:`wait_ready`) instead of blocking in ``Process.start``.  The server is
+started only from the main thread (a parent-death signal fires when the *thread*
+that started the server exits).  Its stdout / stderr go to ``server.log`` in its
+directory.
+
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+GUARD = "pytest_kvconform.forkserver_guard"
+READY = "pytest_kvconform.forkserver_ready"
+# Read (and removed) by forkserver_guard inside the server: who started it, its directory,
+# and where this process imports the package from (a server importing another copy exits).
+PARENT_ENV = "KVCONFORM_FORKSERVER_PARENT"
+DIR_ENV = "KVCONFORM_FORKSERVER_DIR"
+PACKAGE_ENV = "KVCONFORM_FORKSERVER_PACKAGE"
+READY_FILE = "ready"
+LOG_FILE = "server.log"
+_POLL_S = 0.02
+
+# The stdlib's one server per process (private: its pid and _stop are what tests use too).
+_server: Any = multiprocessing.forkserver._forkserver
+_dir: str | None = None  # the running server's directory (ready marker, log)
+_preload: tuple[str, ...] = ()  # what the running server imported
+_holds = 0
+
+
+def usable() -> bool:
+    """Linux (the guard's parent-death signal) and a ``forkserver`` start method."""
+    return sys.platform.startswith("linux") and \
+        "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def pid() -> int | None:
+    """The running (or last started) server's pid, or None."""
+    value = _server._forkserver_pid
+    return int(value) if value is not None else None
+
+
+def _exited(server_pid: int) -> bool:
+    """Whether the server has exited, without reaping it (multiprocessing reaps it)."""
+    try:
+        return os.waitid(os.P_PID, server_pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def running() -> bool:
+    server_pid = pid()
+    return server_pid is not None and _dir is not None and not _exited(server_pid)
+
+
+def start(preload: Sequence[str]) -> bool:
+    """Start the server preloading ``preload`` (modules only) unless one is running.
+
+    Returns without waiting for the imports.  False when no server can be started
+    here: not Linux, or not the main thread (see the module docstring).
+    """
+    global _dir, _preload
+    if running() and (_holds > 0 or set(preload) <= set(_preload)):
+        return True  # in use (its workers die with it), or it preloads all of that already
+    if not usable() or threading.current_thread() is not threading.main_thread():
+        return False
+    stop()
+    import pytest_kvconform
+
+    _dir = tempfile.mkdtemp(prefix="kvconform-forkserver-")
+    _preload = tuple(preload)
+    _server.set_forkserver_preload([GUARD, *preload, READY])
+    tell = {PARENT_ENV: str(os.getpid()), DIR_ENV: _dir,
+            PACKAGE_ENV: os.path.dirname(os.path.abspath(pytest_kvconform.__file__))}
+    saved = {key: os.environ.get(key) for key in tell}
+    os.environ.update(tell)  # the server inherits this environment at its start
+    try:
+        _server.ensure_running()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return True
+
+
+def wait_ready(timeout: float) -> bool | None:
+    """True once the server's preload is done; False if it died; None after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        server_pid = pid()
+        if server_pid is None or _dir is None or _exited(server_pid):
+            return False
+        if os.path.exists(os.path.join(_dir, READY_FILE)):
+            return True
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(_POLL_S)
+
+
+def is_ready() -> bool:
+    return running() and _dir is not None and os.path.exists(os.path.join(_dir, READY_FILE))
+
+
+def log_tail(chars: int = 2000) -> str:
+    """The end of the server's stdout / stderr (its imports' messages)."""
+    if _dir is None:
+        return "(no fork server)"
+    try:
+        with open(os.path.join(_dir, LOG_FILE), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - chars))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return "(no fork server log)"
+
+
+def stop() -> None:
+    """Kill the server (its workers die with it, by their parent-death signal) and reap it."""
+    global _dir
+    server_pid = pid()
+    if server_pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(server_pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            _server._stop()  # closes our end of its alive pipe, reaps it
+        _server._forkserver_pid = None  # even if _stop failed half-way
+    if _dir is not None:
+        shutil.rmtree(_dir, ignore_errors=True)
+        _dir = None
+
+
+def acquire() -> None:
+    """One more user of the server (a pool with forked workers)."""
+    global _holds
+    _holds += 1
+
+
+def release() -> None:
+    """One user fewer; the last one stops the server."""
+    global _holds
+    _holds = max(0, _holds - 1)
+    if _holds == 0:
+        stop()
+
+
+atexit.register(stop)

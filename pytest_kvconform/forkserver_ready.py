@@ -1,0 +1,21 @@
+"""The fork server's last import (``forkserver.py``): mark its preload done.
+
+The test process waits for this marker, bounded, before it asks the server to fork
+(``Process.start`` would otherwise block, unbounded, behind the imports).  Anywhere
+else (the directory unset) importing it does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pytest_kvconform import forkserver_guard
+
+
+def _mark() -> None:
+    if forkserver_guard.DIRECTORY:
+        with open(os.path.join(forkserver_guard.DIRECTORY, "ready"), "w"):
+            pass
+
+
+_mark()
