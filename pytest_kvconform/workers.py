@@ -724,7 +724,7 @@ class KvWorkers:
         uses them.  On a host with a spare core this costs no wall time.
         """
         placements = rank_placements(n, self.device, self.gpu_ids)
-        if not isinstance(placements, str) and pool().warm(placements):
+        if not isinstance(placements, Unplaceable) and pool().warm(placements):
             return
         before = set(pool().workers)
         self.prestart(n)
