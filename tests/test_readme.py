@@ -78,3 +78,17 @@ def test_the_contract_ships_with_its_version_and_every_clause() -> None:
     assert f"Contract version: **{CONTRACT_VERSION}**" in contract
     clauses = re.findall(r"^- (KV-[LSNA][0-9]+) ", contract, re.M)
     assert len(clauses) == len(set(clauses)) == 24, clauses
+
+
+def test_the_code_layout_names_every_module() -> None:
+    """README's "Layout of the code" is where a new contributor starts: no module missing."""
+    section = README.split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)(?:\*)?\.py`|`([a-z_]+)/`", section))
+    names = {a or b for a, b in named}
+    prefixes = {a for a, _ in named if f"`{a}*.py`" in section}
+    package = REPO / "pytest_kvconform"
+    modules = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+    modules |= {p.name for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    missing = sorted(m for m in modules
+                     if m not in names and not any(m.startswith(p) for p in prefixes))
+    assert not missing, f"README's 'Layout of the code' does not name: {', '.join(missing)}"
