@@ -39,6 +39,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pytest_kvconform import lifetime
+
 GUARD = "pytest_kvconform.forkserver_guard"
 READY = "pytest_kvconform.forkserver_ready"
 # Read (and removed) by forkserver_guard inside the server: who started it, its directory,
@@ -54,7 +56,7 @@ _POLL_S = 0.02
 _server: Any = multiprocessing.forkserver._forkserver
 _dir: str | None = None  # the running server's directory (ready marker, log)
 _preload: tuple[str, ...] = ()  # what the running server imported
-_holds = 0
+_holders = lifetime.Holders(lambda: stop())
 
 
 def usable() -> bool:
@@ -89,7 +91,7 @@ def start(preload: Sequence[str]) -> bool:
     here: not Linux, or not the main thread (see the module docstring).
     """
     global _dir, _preload
-    if running() and (_holds > 0 or set(preload) <= set(_preload)):
+    if running() and (_holders.count > 0 or set(preload) <= set(_preload)):
         return True  # in use (its workers die with it), or it preloads all of that already
     if not usable() or threading.current_thread() is not threading.main_thread():
         return False
@@ -162,16 +164,12 @@ def stop() -> None:
 
 def acquire() -> None:
     """One more user of the server (a pool with forked workers)."""
-    global _holds
-    _holds += 1
+    _holders.hold()
 
 
 def release() -> None:
     """One user fewer; the last one stops the server."""
-    global _holds
-    _holds = max(0, _holds - 1)
-    if _holds == 0:
-        stop()
+    _holders.release()
 
 
 atexit.register(stop)

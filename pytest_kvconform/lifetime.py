@@ -84,3 +84,22 @@ def tie_to_parent(parent_pid: int, lifeline: Any = None, *, death_signal: bool =
     if os.getppid() != parent_pid:  # died before the death signal was armed
         _orphaned(on_orphan)
     watch_parent(parent_pid, lifeline, on_orphan)
+
+
+class Holders:
+    """Users of a shared resource (the worker pool, the fork server): the last release closes it.
+
+    A count, not a set: pytester's inline sessions hold the pool inside the outer session.
+    """
+
+    def __init__(self, close: Callable[[], None]) -> None:
+        self.count = 0
+        self._close = close
+
+    def hold(self) -> None:
+        self.count += 1
+
+    def release(self) -> None:
+        self.count = max(0, self.count - 1)
+        if self.count == 0:
+            self._close()

@@ -614,7 +614,7 @@ class WorkerPool:
 # A session-wide pool shared by every --kv-conformance session in this process (pytester
 # runs them inline); closed when the last holder releases it, or at exit.
 _pool: WorkerPool | None = None
-_holds = 0
+_holders = lifetime.Holders(lambda: close_pool())
 
 
 def pool() -> WorkerPool:
@@ -626,16 +626,12 @@ def pool() -> WorkerPool:
 
 def hold() -> None:
     """Keep the shared pool open until the matching :func:`release`."""
-    global _holds
-    _holds += 1
+    _holders.hold()
 
 
 def release() -> None:
     """Drop one hold; the last one closes the shared pool (no orphan workers)."""
-    global _holds
-    _holds = max(0, _holds - 1)
-    if _holds == 0:
-        close_pool()
+    _holders.release()
 
 
 def close_pool() -> None:

@@ -86,7 +86,7 @@ def test_close_leaves_no_process_behind() -> None:
 
 def test_shared_pool_closes_with_the_last_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     closed: list[bool] = []
-    monkeypatch.setattr(workers, "_holds", 0)
+    monkeypatch.setattr(workers._holders, "count", 0)
     monkeypatch.setattr(workers, "close_pool", lambda: closed.append(True))
     workers.hold()
     workers.hold()
