@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -70,6 +71,10 @@ def backends_conftest(backends: Mapping[str, type | str]) -> str:
         else:
             lines.append(f"from {backend.__module__} import {backend.__qualname__} as _b{i}")
             values.append(f"_b{i}")
+    if lines:  # xdist workers and subprocess runs lack this process's sys.path entry for tests/
+        root = str(Path(__file__).resolve().parents[1])
+        lines[:0] = ["import sys", "", f"if {root!r} not in sys.path:",
+                     f"    sys.path.insert(0, {root!r})", ""]
     mapping = ", ".join(f"{name!r}: {value}" for name, value in zip(backends, values, strict=True))
     return "\n".join([*lines, "", "", "def pytest_kvconform_backends(config):",
                       f"    return {{{mapping}}}", ""])
