@@ -248,8 +248,8 @@ class WorkerHandle:
         self.key = key
         self.placement = key[0]
         self.device, self.gpu_id = child_device(self.placement)
-        label = re.sub(r"[^A-Za-z0-9_.-]", "_", self.placement)
-        self.stderr_path = os.path.join(workdir, f"worker-{label}-{key[1]}.log")
+        self.label = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', self.placement)}-{key[1]}"
+        self.stderr_path = os.path.join(workdir, f"worker-{self.label}.log")
         self.preload = tuple(preload)
         self.method = start_method(self.placement)
         if self.method == "forkserver" and not forkserver.start(server_preload(preload)):
@@ -281,13 +281,12 @@ class WorkerHandle:
             # for workers started from the main thread (the watchdog covers the rest).
             on_main = threading.current_thread() is threading.main_thread()
             parent = (os.getpid(), lifeline, on_main)
-        label = re.sub(r"[^A-Za-z0-9_.-]", "_", self.placement)
         context: Any = multiprocessing.get_context(self.method)
         return context.Process(
             target=_worker_main,
             args=(child_conn, self.device, self.stderr_path, self.preload, self.gpu_id,
                   parent, environ),
-            name=f"kvconform-worker-{label}-{self.key[1]}", daemon=True)
+            name=f"kvconform-worker-{self.label}", daemon=True)
 
     def _start(self) -> None:
         self.process.start()
