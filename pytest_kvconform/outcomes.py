@@ -37,6 +37,15 @@ class ErrorKind(StrEnum):
     HARNESS = "harness"
 
 
+def bracketed(*, backend: str | None, case: str | None, layout: str | None) -> str:
+    """`` [backend=B, case=C, layout=L]`` (the parts that are set), or ``""``: how every
+    clause failure and harness error names what it was checking."""
+    where = ", ".join(
+        f"{k}={v}" for k, v in (("backend", backend), ("case", case), ("layout", layout)) if v
+    )
+    return f" [{where}]" if where else ""
+
+
 class ClauseFailure(AssertionError):
     """A contract clause does not hold.
 
@@ -62,10 +71,7 @@ class ClauseFailure(AssertionError):
         self.layout = layout
         self.expected = expected
         self.actual = actual
-        where = ", ".join(
-            f"{k}={v}" for k, v in (("backend", backend), ("case", case), ("layout", layout)) if v
-        )
-        msg = f"{clause} violated" + (f" [{where}]" if where else "") + f": {detail}"
+        msg = f"{clause} violated{bracketed(backend=backend, case=case, layout=layout)}: {detail}"
         if expected is not None or actual is not None:
             msg += f"\n  expected: {expected!r}\n  actual:   {actual!r}"
         super().__init__(msg)

@@ -18,6 +18,7 @@ from pytest_kvconform.checks.errors import (
     Unsupported,
 )
 from pytest_kvconform.model import BackendUnderTest, Case
+from pytest_kvconform.outcomes import bracketed
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,11 @@ class Where:
 
     def harness(self, exc: HarnessError, doing: str) -> HarnessError:
         """``exc`` (same class and kind) with the clause, parametrisation and step named."""
-        named = ", ".join(f"{k}={v}" for k, v in (
-            ("backend", self.backend), ("case", None if self.case is None else self.case.id),
-            ("layout", self.layout)) if v)
+        named = bracketed(backend=self.backend, case=None if self.case is None else self.case.id,
+                          layout=self.layout)
         error = copy.copy(exc)
-        error.args = (f"{self.clause}" + (f" [{named}]" if named else "")
-                      + f": harness error ({exc.kind.value}) while {doing}: {exc}",)
+        error.args = (f"{self.clause}{named}: harness error ({exc.kind.value}) while {doing}: "
+                      f"{exc}",)
         return error
 
 
