@@ -4,6 +4,8 @@ Run in the default environment:  python benchmarks/bench_goals.py [--label L] [-
 [--skip NAME ...] [-o FILE].  Each measurement is a fresh process (imports included):
 
 - ``floor``: a fresh interpreter importing ``vllm_omni.diffusion.diffusion_kv.layout``;
+  ``floor_quiet``: the same with ``HUMMING_DISABLE_PARALLEL_BUILD=1`` (that import starts two
+  background kernel builds, each a Python process of its own, which the suite turns off);
 - ``serial`` / ``xdist2``: the full ``pytest --kv-conformance`` suite, serial and ``-n 2``;
 - ``worker_start``: one pooled KV-A worker, from nothing to ready (``WorkerPool.get``: a
   spawned worker's imports, or the fork server's imports and a fork); ``worker_next``: a
@@ -45,11 +47,12 @@ def _env() -> dict[str, str]:
     return {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONPATH": path}
 
 
-def timed(cmd: list[str], cwd: str) -> tuple[float, int, int, str]:
+def timed(cmd: list[str], cwd: str, **extra: str) -> tuple[float, int, int, str]:
     """(seconds, peak RSS MiB of the largest descendant, exit code, last stdout line)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=_env())
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
+                          env={**_env(), **extra})
     seconds = time.perf_counter() - started
     peak = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) // 1024
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -92,10 +95,10 @@ def main() -> int:
     suite = [*pytest, "--kv-conformance"]
     rows: list[tuple[str, float, int, int, str, str]] = []
 
-    def measure(name: str, cmd: list[str], cwd: str) -> float:
+    def measure(name: str, cmd: list[str], cwd: str, **extra: str) -> float:
         if name in args.skip:
             return float("nan")
-        seconds, peak, code, last = timed(cmd, cwd)
+        seconds, peak, code, last = timed(cmd, cwd, **extra)
         rows.append((name, seconds, peak, code, load(), last))
         print(f"{name}: {seconds:.1f}s peak {peak} MiB exit {code} load {load()} | {last}",
               flush=True)
@@ -103,6 +106,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         floor = measure("floor", [py, "-c", FLOOR], tmp)
+        quiet = measure("floor_quiet", [py, "-c", FLOOR], tmp, HUMMING_DISABLE_PARALLEL_BUILD="1")
         serial = measure("serial", suite, tmp)
         xdist2 = measure("xdist2", [*suite, "-n", "2"], tmp)
         start_s = float("nan")
@@ -137,6 +141,7 @@ def main() -> int:
     per_case = (a40 - a1) / 39
     goals = [
         ("serial / import floor", serial / floor, "<= 1.5"),
+        ("serial / quiet import floor", serial / quiet, "(<= 1.5)"),
         ("-n 2 / serial", xdist2 / serial, "<= 1.0"),
         ("extra adoption case / worker start", per_case / start_s, "<= 0.02"),
         ("plugin off / -p no:kvconform", off / none, "<= 1.02"),

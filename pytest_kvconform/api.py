@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pytest_kvconform import budget
+from pytest_kvconform import budget, run_env
 from pytest_kvconform import clauses as clauses_mod
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.outcomes import (
@@ -279,15 +279,9 @@ def _worker_pool(plan: Sequence[_Run], device: str, gpu_ids: list[str]) -> Itera
 
 @contextlib.contextmanager
 def _quiet_vllm() -> Iterator[None]:
-    """vLLM logs every config it builds at INFO; the checks build hundreds."""
-    if "VLLM_LOGGING_LEVEL" in os.environ:
+    """The run's environment defaults (``run_env``) for the duration of the checks."""
+    with run_env.applied():
         yield
-        return
-    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
-    try:
-        yield
-    finally:
-        os.environ.pop("VLLM_LOGGING_LEVEL", None)
 
 
 # --- one run -----------------------------------------------------------------------------------

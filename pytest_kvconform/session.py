@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform import compat
+from pytest_kvconform import compat, run_env
 from pytest_kvconform.omni_plugins import restore_plugins_env, set_plugins_env
 from pytest_kvconform.options import Options
 from pytest_kvconform.session_results import KvResults
@@ -49,8 +49,7 @@ class KvSession:
         from pytest_kvconform import workers
 
         workers.release()
-        if self._logging_level_set:
-            os.environ.pop("VLLM_LOGGING_LEVEL", None)
+        run_env.restore(self._env_added)
         restore_plugins_env(self._plugins_env)
 
     # `kvconform run` (cli.py) asks for the report through the session plugin.
@@ -71,10 +70,8 @@ class KvSession:
     # -- set-up -----------------------------------------------------------------
 
     def _setup_device(self) -> None:
-        # vLLM logs every config it builds at INFO; the suite builds hundreds.
-        # Restored in pytest_unconfigure.
-        self._logging_level_set = "VLLM_LOGGING_LEVEL" not in os.environ
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # Before anything imports vLLM (see run_env); restored in pytest_unconfigure.
+        self._env_added = run_env.apply()
         from pytest_kvconform import devices
 
         try:
@@ -115,6 +112,9 @@ class KvSession:
         lines = [f"kvconform: vllm {v['vllm']}, vllm-omni {v['vllm-omni'] or 'not installed'}, "
                  f"torch {v['torch']}; device {self.device}"]
         lines += self.selection.header_lines()
+        env_line = run_env.header_line(self._env_added)
+        if env_line:
+            lines.append(env_line)
         broken = compat.production_import_error()
         if broken:
             lines.append(f"kvconform: WARNING: vllm-omni's production control plane does not "

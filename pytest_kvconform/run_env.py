@@ -1,0 +1,59 @@
+"""Environment defaults a ``--kv-conformance`` run sets while it runs, never over a user's value.
+
+- ``VLLM_LOGGING_LEVEL=WARNING``: vLLM logs every config it builds at INFO, and the
+  checks build hundreds.
+- ``HUMMING_DISABLE_PARALLEL_BUILD=1``: importing vLLM imports humming (its quantised
+  GEMM kernels), which then starts two background builds, each a Python process that
+  imports torch and compiles a CUDA launcher.  The suite launches no humming kernel, so
+  those builds only compete for the cores: 5 s of a 21 s serial run on 2 cores, more
+  under xdist, where every process that imports vLLM starts its own pair (issue 12,
+  benchmarks/RESULTS.md).  A serving process started later builds them when it needs them.
+
+Set before anything imports vLLM, so the fork server, xdist workers and KV-A workers
+inherit them; restored at the end of the run.
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+
+DEFAULTS: Mapping[str, str] = {
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "HUMMING_DISABLE_PARALLEL_BUILD": "1",
+}
+
+
+def apply(defaults: Mapping[str, str] = DEFAULTS) -> list[str]:
+    """Set each default the environment lacks; return the names set (for :func:`restore`)."""
+    added = [name for name in defaults if name not in os.environ]
+    for name in added:
+        os.environ[name] = defaults[name]
+    return added
+
+
+def restore(added: list[str]) -> None:
+    """Remove what :func:`apply` set."""
+    for name in added:
+        os.environ.pop(name, None)
+
+
+def header_line(added: list[str]) -> str | None:
+    """The run header's account of what this run set (None when it set nothing)."""
+    if not added:
+        return None
+    return "kvconform: environment set for this run: " + ", ".join(
+        f"{name}={DEFAULTS[name]}" for name in added)
+
+
+@contextlib.contextmanager
+def applied(defaults: Mapping[str, str] = DEFAULTS) -> Iterator[list[str]]:
+    """:func:`apply` for the duration of a ``with`` block."""
+    added = apply(defaults)
+    try:
+        yield added
+    finally:
+        restore(added)
+

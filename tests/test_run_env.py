@@ -1,0 +1,61 @@
+"""The environment defaults a run sets (run_env.py): only where unset, undone afterwards."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pytest_kvconform import run_env
+from tests.conftest import needs_omni
+
+HUMMING = "HUMMING_DISABLE_PARALLEL_BUILD"
+
+# Records what the run's own tests see; the suite's tests are deselected (-k).
+SEE_ENV = f'''
+import os
+from pathlib import Path
+
+
+def test_sees_env():
+    Path("seen.txt").write_text(os.environ.get("{HUMMING}", "<unset>"))
+'''
+
+
+def test_apply_sets_only_what_is_unset_and_restore_undoes_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVCONFORM_A", raising=False)
+    monkeypatch.setenv("KVCONFORM_B", "mine")
+    added = run_env.apply({"KVCONFORM_A": "1", "KVCONFORM_B": "2"})
+    assert added == ["KVCONFORM_A"]
+    assert os.environ["KVCONFORM_A"] == "1" and os.environ["KVCONFORM_B"] == "mine"
+    run_env.restore(added)
+    assert "KVCONFORM_A" not in os.environ and os.environ["KVCONFORM_B"] == "mine"
+
+
+def test_header_line_names_what_was_set() -> None:
+    assert run_env.header_line([]) is None
+    assert run_env.header_line([HUMMING]) == \
+        f"kvconform: environment set for this run: {HUMMING}=1"
+
+
+@needs_omni
+@pytest.mark.parametrize("user_value", [None, "0"], ids=["unset", "user_set"])
+def test_a_run_turns_humming_builds_off_unless_the_user_chose(
+        pytester: pytest.Pytester, kv_run, monkeypatch: pytest.MonkeyPatch,
+        user_value: str | None) -> None:
+    if user_value is None:
+        monkeypatch.delenv(HUMMING, raising=False)
+    else:
+        monkeypatch.setenv(HUMMING, user_value)
+    pytester.makepyfile(test_env=SEE_ENV)
+    result = kv_run("-k", "test_sees_env", "--kv-backend", "TORCH_SDPA", "test_env.py")
+    result.assert_outcomes(passed=1)
+    assert (pytester.path / "seen.txt").read_text() == (user_value or "1")
+    header = f"kvconform: environment set for this run: *{HUMMING}=1*"
+    if user_value is None:
+        result.stdout.fnmatch_lines([header])
+    else:
+        result.stdout.no_fnmatch_line(header)
+    assert os.environ.get(HUMMING) == user_value  # restored after the run
+
