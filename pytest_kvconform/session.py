@@ -18,7 +18,7 @@ from pytest_kvconform import compat, run_env
 from pytest_kvconform.omni_plugins import restore_plugins_env, set_plugins_env
 from pytest_kvconform.options import Options
 from pytest_kvconform.session_results import KvResults
-from pytest_kvconform.session_selection import KvSelection
+from pytest_kvconform.session_selection import KvSelection, import_error_line
 
 SELECTION_PLUGIN = "kvconform-selection"
 RESULTS_PLUGIN = "kvconform-results"
@@ -115,10 +115,9 @@ class KvSession:
         env_line = run_env.header_line(self._env_added)
         if env_line:
             lines.append(env_line)
-        broken = compat.production_import_error()
+        broken = None if self.selection.remote else compat.production_import_error()
         if broken:
-            lines.append(f"kvconform: WARNING: vllm-omni's production control plane does not "
-                         f"import; clauses that drive it will fail: {broken}")
+            lines.append(import_error_line(broken))
         if self.fault:
             lines.append(f"kvconform: WARNING: seeded worker fault {self.fault!r} is active "
                          "(KVCONFORM_WORKER_FAULT); results do not qualify anything")

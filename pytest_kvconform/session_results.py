@@ -101,7 +101,12 @@ class KvResults:
         if getattr(self.config, "workerinput", None) is not None:
             return
         tr = terminalreporter
+        if self.selection.usage_error:  # an xdist worker's; pytest prints its own like this
+            tr.write_line(f"ERROR: {self.selection.usage_error}", red=True, bold=True)
+            return
         tr.section("kvconform: backend x clause")
+        for line in self.selection.discovery_lines():
+            tr.write_line(line)
         for line in report_mod.render_terminal_matrix(self.row_dicts(),
                                                       self.selection.backend_dicts()):
             tr.write_line(line)
@@ -124,6 +129,9 @@ class KvResults:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if getattr(self.config, "workeroutput", None) is not None:
             return  # an xdist worker: its controller judges (KvSelection hands over counts)
+        if self.selection.usage_error:
+            session.exitstatus = pytest.ExitCode.USAGE_ERROR
+            return
         from pytest_kvconform import report as report_mod
 
         strict = self.options.strict
@@ -140,8 +148,9 @@ class KvResults:
         if self.options.report is None and not self.report_wanted:
             return
         environment = report_mod.environment_info(self.options.raw, seed=None)
-        if self.selection.plugins is not None:
-            environment["plugins"] = self.selection.plugins.as_dict()
+        plugins = self.selection.plugins_record()
+        if plugins is not None:
+            environment["plugins"] = plugins
         self.built_report = report_mod.build_report(
             environment=environment, backends=self.selection.backend_dicts(), results=results,
             options=self.options.raw, strict=strict, selection=selection, run=run)

@@ -26,6 +26,8 @@ from pytest_kvconform.options import Options
 
 NO_BACKEND_ID = "no-backend"
 XFAIL_PROPERTY = "kv_xfail"
+DISCOVERY_OUTPUT = "kvconform_discovery"  # workeroutput key: a worker's discovery
+USAGE_ERROR_OUTPUT = "kvconform_usage_error"  # workeroutput key: why a worker ran nothing
 SUITE_DIR = Path(__file__).resolve().parent / "suite"
 HOOK_NAME = "pytest_kvconform_backends"
 
@@ -62,6 +64,15 @@ class KvSelection:
         self.discovery_seconds = 0.0
         self.all_backend_names: set[str] = set()
         self.plugins: Any = None  # omni_plugins.PluginLoad, after start()
+        # An xdist controller discovers nothing itself (issue 12: that import would come
+        # before any worker starts); its workers hand theirs over (pytest_testnodedown).
+        self.remote = False
+        self.remote_discovery: dict[str, Any] | None = None
+        self.remote_notes: list[str] = []
+        # A usage error found by discovery in an xdist worker: raising it there would
+        # crash the worker and have xdist restart it (an import each); the worker runs
+        # nothing instead and its controller reports the error (KvResults).
+        self.usage_error: str | None = None
 
     @property
     def device_kind(self) -> str:
@@ -73,9 +84,20 @@ class KvSelection:
     def start(self) -> None:
         """Load the cases, discover the backends and apply ``--kv-backend``."""
         try:
+            self._start()
+        except pytest.UsageError as exc:
+            if getattr(self.config, "workerinput", None) is None:
+                raise
+            self.usage_error = str(exc)
+
+    def _start(self) -> None:
+        try:
             self.cases = cases_mod.load_cases(self.options.cases)
         except cases_mod.CaseFileError as exc:
             raise pytest.UsageError(f"--kv-cases: {exc}") from None
+        if self._is_xdist_controller():
+            self.remote = True
+            return
         started = time.monotonic()
         hook_results = self._hook_backends()
         try:
@@ -89,6 +111,11 @@ class KvSelection:
             raise pytest.UsageError(f"kvconform: {exc}") from None
         self.discovery_seconds = time.monotonic() - started
         self._select_backends()
+
+    def _is_xdist_controller(self) -> bool:
+        """xdist distributes this run: the workers discover, collect and run the suite."""
+        return (getattr(self.config, "workerinput", None) is None
+                and self.config.pluginmanager.has_plugin("dsession"))
 
     def _hook_backends(self) -> list[Any]:
         """Every ``pytest_kvconform_backends`` result; one that raises is a usage error
@@ -114,18 +141,65 @@ class KvSelection:
 
     def header_lines(self) -> list[str]:
         """The header's backends, cases, discovery notes and plugins."""
-        backends = self.discovery.backends
-        importable = sum(b.importable for b in backends)
-        lines = [
-            f"kvconform: {len(backends)} backends ({importable} importable) discovered in "
-            f"{self.discovery_seconds:.1f}s: {', '.join(b.name for b in backends) or '-'}",
-            f"kvconform: {len(self.cases)} cases: {', '.join(c.id for c in self.cases)}",
-        ]
-        lines += [f"kvconform: note: {note}" for note in self.discovery.notes]
-        lines += self.plugins.header_lines() if self.plugins is not None else []
+        cases = f"kvconform: {len(self.cases)} cases: {', '.join(c.id for c in self.cases)}"
+        if self.remote:
+            return ["kvconform: backends: discovered by each xdist worker, listed after the run",
+                    cases]
+        plugin_lines = self.plugins.header_lines() if self.plugins is not None else []
+        return [self._backends_line(self.backend_dicts(), "", self.discovery_seconds), cases,
+                *self._detail_lines(self.discovery.notes, plugin_lines)]
+
+    def discovery_lines(self) -> list[str]:
+        """An xdist controller's account of its workers' discovery (the summary's header)."""
+        if not self.remote:
+            return []
+        found = self.remote_discovery
+        if found is None:
+            return ["kvconform: no xdist worker reported its discovery (see the errors above)",
+                    *self.remote_notes]
+        lines = [self._backends_line(found["backends"], " by the xdist workers",
+                                     found["seconds"]),
+                 *self._detail_lines(found["notes"], found["plugin_lines"]),
+                 *self.remote_notes]
+        if found["import_error"]:
+            lines.append(import_error_line(found["import_error"]))
         return lines
 
+    @staticmethod
+    def _backends_line(backends: list[dict[str, Any]], where: str, seconds: float) -> str:
+        importable = sum(bool(b["importable"]) for b in backends)
+        return (f"kvconform: {len(backends)} backends ({importable} importable) discovered"
+                f"{where} in {seconds:.1f}s: {', '.join(b['name'] for b in backends) or '-'}")
+
+    @staticmethod
+    def _detail_lines(notes: list[str], plugin_lines: list[str]) -> list[str]:
+        return [f"kvconform: note: {note}" for note in notes] + plugin_lines
+
+    def worker_discovery(self) -> dict[str, Any]:
+        """What this xdist worker discovered, as JSON values for its controller."""
+        return {"backends": self.backend_dicts(), "all_names": sorted(self.all_backend_names),
+                "notes": list(self.discovery.notes), "seconds": self.discovery_seconds,
+                "plugins": self.plugins.as_dict() if self.plugins is not None else None,
+                "plugin_lines": self.plugins.header_lines() if self.plugins is not None else [],
+                "import_error": compat.production_import_error()}
+
+    def adopt_worker_discovery(self, node: str, found: dict[str, Any]) -> None:
+        """xdist controller: the first worker's discovery is the run's; a worker that
+        found other backends is named (every worker must collect the same tests)."""
+        if self.remote_discovery is None:
+            self.remote_discovery = found
+            self.all_backend_names = set(found["all_names"])
+            return
+        theirs = [b["name"] for b in found["backends"]]
+        if theirs != self.backend_names():
+            self.remote_notes.append(f"kvconform: WARNING: xdist worker {node} discovered "
+                                     f"other backends: {', '.join(theirs) or '-'}")
+
     # -- collection -------------------------------------------------------------
+
+    def pytest_ignore_collect(self, collection_path: Path, config: pytest.Config) -> bool | None:
+        """An xdist worker with a usage error collects nothing (see ``usage_error``)."""
+        return True if self.usage_error else None
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         names = metafunc.fixturenames
@@ -186,6 +260,11 @@ class KvSelection:
         """xdist controller: collect the entries each worker matched at collection, and
         the suite's collected / selected counts (every worker collects the same tests)."""
         output = getattr(node, "workeroutput", None) or {}
+        if output.get(USAGE_ERROR_OUTPUT) and self.usage_error is None:
+            self.usage_error = output[USAGE_ERROR_OUTPUT]
+        if self.remote and output.get(DISCOVERY_OUTPUT):
+            worker = (getattr(node, "workerinput", None) or {}).get("workerid", "?")
+            self.adopt_worker_discovery(str(worker), output[DISCOVERY_OUTPUT])
         self.xfail_matched.update(output.get("kvconform_xfail_matched", ()))
         counts = output.get("kvconform_counts")
         if counts:
@@ -199,6 +278,10 @@ class KvSelection:
         if workeroutput is not None:
             workeroutput["kvconform_xfail_matched"] = sorted(self.xfail_matched)
             workeroutput["kvconform_counts"] = [self.counts.collected, self.counts.selected]
+            if self.usage_error:
+                workeroutput[USAGE_ERROR_OUTPUT] = self.usage_error
+            else:
+                workeroutput[DISCOVERY_OUTPUT] = self.worker_discovery()
 
     # -- what the results and the verdict read ----------------------------------
 
@@ -211,7 +294,7 @@ class KvSelection:
             return []
         from pytest_kvconform import xfails
 
-        selected = set(self.discovery.names)
+        selected = set(self.backend_names())
         # An entry for a backend left out by --kv-backend is not stale, just unselected.
         candidates = [e for e in self.xfails if e.backend == "*" or e.backend in selected
                       or e.backend not in self.all_backend_names]
@@ -224,16 +307,32 @@ class KvSelection:
         from pytest_kvconform import report as report_mod
 
         option = self.config.option
-        names = set(self.discovery.names)
+        names = set(self.backend_names())
         return report_mod.selection_record(
             keyword=getattr(option, "keyword", None), markexpr=getattr(option, "markexpr", None),
-            paths=_narrowing_args(self.config), backends=self.discovery.names,
+            paths=_narrowing_args(self.config), backends=self.backend_names(),
             excluded_backends=sorted(self.all_backend_names - names),
             collected=self.counts.collected_or_none(),
             selected=self.counts.selected_or_none())
 
     def backend_dicts(self) -> list[dict[str, Any]]:
+        if self.remote:
+            return list(self.remote_discovery["backends"]) if self.remote_discovery else []
         return [b.record() for b in self.discovery.backends]
+
+    def backend_names(self) -> list[str]:
+        return [b["name"] for b in self.backend_dicts()]
+
+    def plugins_record(self) -> dict[str, Any] | None:
+        """The plugin load (omni_plugins.PluginLoad.as_dict) this run's tests saw."""
+        if self.remote:
+            return self.remote_discovery["plugins"] if self.remote_discovery else None
+        return self.plugins.as_dict() if self.plugins is not None else None
+
+
+def import_error_line(error: str) -> str:
+    return (f"kvconform: WARNING: vllm-omni's production control plane does not import; "
+            f"clauses that drive it will fail: {error}")
 
 
 def _narrowing_args(config: pytest.Config) -> list[str]:
