@@ -11,6 +11,12 @@ The server is one per process (a ``multiprocessing`` global), so it is shared by
 pools of pytester's inline runs; :func:`acquire` / :func:`release` count its users
 and the last release stops it, so no server outlives the session.
 
+Under xdist the controller starts the one server of the run and hands it to its
+workers through ``workerinput`` (:func:`share`); each worker :func:`attach`-es to it
+instead of starting its own, so a CPU run imports vLLM once per xdist worker plus
+once for the server, not twice per worker (issue 12).  An attached process never
+stops the server (it is its starter's): :func:`stop` only detaches.
+
 Lifetime: its preload starts with :mod:`forkserver_guard`, whose import ties the
 server to the process that started it (parent-death signal, armed before the slow
 imports: a SIGKILLed pytest never leaves a server importing), and ends with
@@ -36,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pytest_kvconform import lifetime
@@ -51,12 +57,14 @@ PACKAGE_ENV = "KVCONFORM_FORKSERVER_PACKAGE"
 READY_FILE = "ready"
 LOG_FILE = "server.log"
 _POLL_S = 0.02
+SHARE_KEY = "kvconform_forkserver"  # workerinput: the controller's server (share())
 
 # The stdlib's one server per process (private: its pid and _stop are what tests use too).
 _server: Any = multiprocessing.forkserver._forkserver
 _dir: str | None = None  # the running server's directory (ready marker, log)
 _preload: tuple[str, ...] = ()  # what the running server imported
 _holders = lifetime.Holders(lambda: stop())
+_attached = False  # the server is another process's (attach())
 
 
 def usable() -> bool:
@@ -73,6 +81,12 @@ def pid() -> int | None:
 
 def _exited(server_pid: int) -> bool:
     """Whether the server has exited, without reaping it (multiprocessing reaps it)."""
+    if _attached:  # not our child: no wait*(); a zombie awaiting its starter counts as gone
+        try:
+            with open(f"/proc/{server_pid}/stat", "rb") as f:
+                return f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
+        except (OSError, IndexError):
+            return True
     try:
         return os.waitid(os.P_PID, server_pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
@@ -116,6 +130,63 @@ def start(preload: Sequence[str]) -> bool:
     return True
 
 
+def attached() -> bool:
+    """Whether this process forks its workers from another process's server."""
+    return _attached
+
+
+def share() -> dict[str, Any] | None:
+    """This process's running server as other processes reach it (for ``workerinput``)."""
+    if _attached or not running():
+        return None
+    return {"address": _server._forkserver_address, "pid": pid(), "dir": _dir,
+            "preload": list(_preload)}
+
+
+def attach(shared: Mapping[str, Any]) -> bool:
+    """Fork this process's workers from the server :func:`share` described (an xdist
+    controller's).  False, and nothing changed, if this process runs its own server or
+    that one is gone; a worker forked from it is this process's child in multiprocessing's
+    terms (its pipe, its exit status), the server's in the OS's, as with an own server.
+    """
+    global _dir, _preload, _attached
+    if _attached or running() or not usable():
+        return False
+    server_pid = int(shared["pid"])
+    _attached = True  # _exited() reads /proc from here on
+    if _exited(server_pid):
+        _attached = False
+        return False
+    _server._forkserver_address = shared["address"]
+    _server._forkserver_pid = server_pid
+    # Sent to each forked worker as "the server's alive fd", which a worker never uses.
+    _server._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
+    _server.ensure_running = _ensure_attached  # multiprocessing's would wait on a non-child
+    _dir, _preload = str(shared["dir"]), tuple(shared["preload"])
+    return True
+
+
+def _ensure_attached() -> None:
+    """``ensure_running`` for an attached server: the resource tracker, and a live server."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    server_pid = pid()
+    if server_pid is None or _exited(server_pid):
+        raise RuntimeError(f"the shared kvconform fork server (pid {server_pid}) is gone")
+
+
+def _detach() -> None:
+    global _dir, _attached
+    with contextlib.suppress(OSError, TypeError):
+        os.close(_server._forkserver_alive_fd)
+    with contextlib.suppress(AttributeError):
+        del _server.ensure_running
+    _server._forkserver_address = _server._forkserver_alive_fd = None
+    _server._forkserver_pid = None
+    _dir, _attached = None, False
+
+
 def wait_ready(timeout: float) -> bool | None:
     """True once the server's preload is done; False if it died; None after ``timeout``."""
     deadline = time.monotonic() + timeout
@@ -148,8 +219,12 @@ def log_tail(chars: int = 2000) -> str:
 
 
 def stop() -> None:
-    """Kill the server (its workers die with it, by their parent-death signal) and reap it."""
+    """Kill the server (its workers die with it, by their parent-death signal) and reap it;
+    detach from it if it is another process's."""
     global _dir
+    if _attached:
+        _detach()
+        return
     server_pid = pid()
     if server_pid is not None:
         with contextlib.suppress(OSError):

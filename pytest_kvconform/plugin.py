@@ -74,18 +74,23 @@ def _speculate_workers(config: pytest.Config, options: Options, session: KvSessi
     For CPU workers, their fork server (``forkserver.py``; the workers fork from it
     after collection).  The ~20 s import then overlaps this process's own import and
     discovery on a second core; :func:`pytest_collection_finish` drops them (or stops
-    the server) if no selected test needs them.  Not on an xdist controller (it runs
-    no test) nor for ``--collect-only``.
+    the server) if no selected test needs them.  An xdist controller runs no test: on
+    a CPU host it starts only the server, which its workers share (``forkserver.share``).
+    Nothing for ``--collect-only``.
     """
     from pytest_kvconform import selection_guess
 
     if (config.option.collectonly or getattr(config.option, "help", False)
-            or not selection_guess.may_select_adoption(config)):
+            or not selection_guess.run_may_select_adoption(config)):
         return
-    from pytest_kvconform.workers import KvWorkers
+    from pytest_kvconform import workers
 
+    if selection_guess.is_xdist_controller(config):
+        if not session.gpu_ids:  # its workers' KV-A workers are CPU ones: one server for all
+            workers.pool().warm(["cpu"])  # shared through workerinput (xdist_hooks.py)
+        return
     # One worker: the selection may need no more (a second is started after collection).
-    KvWorkers(session.device, list(session.gpu_ids)).speculate(1)
+    workers.KvWorkers(session.device, list(session.gpu_ids)).speculate(1)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform import compat, run_env
+from pytest_kvconform import compat, forkserver, run_env
 from pytest_kvconform.omni_plugins import restore_plugins_env, set_plugins_env
 from pytest_kvconform.options import Options
 from pytest_kvconform.session_results import KvResults
@@ -82,6 +82,9 @@ class KvSession:
         if workerinput is not None and "kvconform_device" in workerinput:
             self.device = devices.apply_worker_device(workerinput)
             self.gpu_ids = list(workerinput.get("kvconform_gpu_ids") or [])
+            shared = workerinput.get(forkserver.SHARE_KEY)
+            if shared and self.device == "cpu":  # fork from the controller's server
+                forkserver.attach(shared)
         else:
             self.gpu_ids = devices.visible_gpu_ids(os.environ,
                                                    devices.count_gpus_without_cuda_init)

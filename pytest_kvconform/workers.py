@@ -11,10 +11,13 @@ boundary as the executor's frames.  Importing vLLM / vllm-omni costs ~10 s idle
   plugins, sets its stderr and ties itself to the test process itself, and gets the
   test process's environment at start (not the server's).  The server is started
   before collection (``KvWorkers.speculate``), so its imports overlap discovery.
+  Under xdist the controller starts that server and its workers attach to it
+  (``forkserver.share`` / ``attach``): one import for the server of the whole run.
   Not chosen: lazy per-clause imports (every one of KV-A2..A6 needs the whole
   preload: the worker builds a production config and allocates through vLLM);
-  workers shared per host by xdist workers (one process would then serve two
-  sessions: its lifetime, its faults and per-GPU pinning would need a broker).
+  *workers* shared per host by xdist workers (one process would then serve two
+  sessions: its lifetime, its faults and per-GPU pinning would need a broker); a
+  shared *server* needs none of that, as each worker still belongs to one session.
 - a GPU worker (``gpu:<id>`` or a torch device string) is spawned, as vllm-omni's
   multiproc executor starts its workers, and as before: it pins
   ``CUDA_VISIBLE_DEVICES`` before anything imports torch.  Forking it from a server
@@ -650,7 +653,7 @@ def kill_all() -> None:
             with contextlib.suppress(OSError):
                 os.kill(handle.pid, signal.SIGKILL)
     server = forkserver.pid()  # its own death signal would follow us anyway
-    if server is not None:
+    if server is not None and not forkserver.attached():  # an attached one is not ours
         with contextlib.suppress(OSError):
             os.kill(server, signal.SIGKILL)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvconform import forkserver
 from pytest_kvconform.devices import (
     WORKERINPUT_DEVICE,
     WORKERINPUT_GPU_IDS,
@@ -151,6 +152,9 @@ class KvXdistHooks:
         slot = self._take_slot(str(node.gateway.id), len(devices))
         node.workerinput[WORKERINPUT_DEVICE] = devices[slot].to_workerinput()
         node.workerinput[WORKERINPUT_GPU_IDS] = list(self.gpu_ids())
+        shared = forkserver.share()  # the CPU KV-A workers' server (plugin.py started it)
+        if shared is not None:
+            node.workerinput[forkserver.SHARE_KEY] = shared
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: object | None) -> None:
