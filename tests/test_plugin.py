@@ -27,10 +27,20 @@ def test_off_means_free(pytester: pytest.Pytester) -> None:
         def test_probe():
             heavy = [m for m in ("torch", "vllm", "vllm_omni") if m in sys.modules]
             assert heavy == []
+            ours = {m for m in sys.modules if m.startswith("pytest_kvconform")}
+            assert ours <= {"pytest_kvconform", "pytest_kvconform.plugin",
+                            "pytest_kvconform.options", "pytest_kvconform.hookspecs"}, ours
     ''')
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert "kvconform:" not in result.stdout.str()  # no header lines, no matrix
+
+
+def test_the_timeout_default_is_one_number() -> None:
+    """options keeps its own copy so that a run without --kv-conformance imports no budget."""
+    from pytest_kvconform import budget, options
+
+    assert options.DEFAULT_TIMEOUT_S == budget.DEFAULT_TIMEOUT_S
 
 
 def test_help_lists_options_in_their_group(pytester: pytest.Pytester) -> None:
