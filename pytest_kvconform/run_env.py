@@ -11,12 +11,21 @@
 
 Set before anything imports vLLM, so the fork server, xdist workers and KV-A workers
 inherit them; restored at the end of the run.
+
+Also :func:`freeze_heap` / :func:`thaw_heap`: after collection, the objects the serving
+stack's import left behind (~940,000 tracked by the garbage collector) are moved out of
+its reach for the tests, so a full collection (one during the suite, and pytest's own two
+at the end of the run) no longer walks them: 0.3-0.4 s each on 2 cores (issue 12).  They
+are handed back when the run ends, before the process exits: the interpreter's final
+collections find what they always did, and a pytester run leaves nothing frozen.
+
 Stdlib only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator, Mapping
 
@@ -57,3 +66,15 @@ def applied(defaults: Mapping[str, str] = DEFAULTS) -> Iterator[list[str]]:
     finally:
         restore(added)
 
+
+
+def freeze_heap() -> int:
+    """Move every object the collector tracks into its permanent generation; how many."""
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def thaw_heap() -> None:
+    """Give the frozen objects back to the collector (objects that became garbage while
+    frozen are collected from then on)."""
+    gc.unfreeze()

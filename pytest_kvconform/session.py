@@ -43,6 +43,10 @@ class KvSession:
         from pytest_kvconform import workers
 
         workers.hold()  # the KV-A worker pool lives until pytest_unconfigure
+        # Thaws what pytest_collection_finish froze.  Added now, during the first
+        # configure hooks, so it runs last, after pytest's own end-of-run collections
+        # (unraisableexception's, at unconfigure and in its cleanup).
+        config.add_cleanup(run_env.thaw_heap)
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         """Close the KV-A worker pool (unless a pytester-hosting test still holds it)."""
@@ -51,6 +55,11 @@ class KvSession:
         workers.release()
         run_env.restore(self._env_added)
         restore_plugins_env(self._plugins_env)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """Imports and collection done: keep their objects out of the tests' collections."""
+        run_env.freeze_heap()
 
     # `kvconform run` (cli.py) asks for the report through the session plugin.
     @property

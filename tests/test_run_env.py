@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -13,12 +14,14 @@ HUMMING = "HUMMING_DISABLE_PARALLEL_BUILD"
 
 # Records what the run's own tests see; the suite's tests are deselected (-k).
 SEE_ENV = f'''
+import gc
 import os
 from pathlib import Path
 
 
 def test_sees_env():
     Path("seen.txt").write_text(os.environ.get("{HUMMING}", "<unset>"))
+    Path("frozen.txt").write_text(str(gc.get_freeze_count()))
 '''
 
 
@@ -58,4 +61,15 @@ def test_a_run_turns_humming_builds_off_unless_the_user_chose(
     else:
         result.stdout.no_fnmatch_line(header)
     assert os.environ.get(HUMMING) == user_value  # restored after the run
+    # the tests ran with the imports' objects frozen, and the run thawed them at its end
+    assert int((pytester.path / "frozen.txt").read_text()) > 100_000
+    assert gc.get_freeze_count() == 0
 
+
+
+def test_freeze_and_thaw_the_heap() -> None:
+    try:
+        assert run_env.freeze_heap() == gc.get_freeze_count() > 0
+    finally:
+        run_env.thaw_heap()
+    assert gc.get_freeze_count() == 0
