@@ -86,7 +86,7 @@ def _speculate_workers(config: pytest.Config, options: Options, session: KvSessi
     from pytest_kvconform import workers
 
     if selection_guess.is_xdist_controller(config):
-        if not session.gpu_ids:  # its workers' KV-A workers are CPU ones: one server for all
+        if session.device == "cpu":  # so are its workers' KV-A workers: one server for all
             workers.pool().warm(["cpu"])  # shared through workerinput (xdist_hooks.py)
         return
     # One worker: the selection may need no more (a second is started after collection).
