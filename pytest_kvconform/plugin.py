@@ -81,7 +81,7 @@ def _speculate_workers(config: pytest.Config, options: Options, session: KvSessi
     from pytest_kvconform import selection_guess
 
     if (config.option.collectonly or getattr(config.option, "help", False)
-            or not selection_guess.run_may_select_adoption(config)):
+            or not selection_guess.may_select_adoption(config)):
         return
     from pytest_kvconform import workers
 

@@ -13,19 +13,14 @@ ADOPTION_TESTS = ("test_kv_a2", "test_kv_a3", "test_kv_a4", "test_kv_a5", "test_
                   "test_adoption.py", "test_adoption")
 
 
-def may_select_adoption(config: Any) -> bool:
-    """False when this process runs no test (xdist controller) or ``-k`` rules KV-A out."""
-    return not is_xdist_controller(config) and run_may_select_adoption(config)
-
-
 def is_xdist_controller(config: Any) -> bool:
-    """This process will hand the tests to xdist workers."""
+    """This process will hand the tests to xdist workers (and run none itself)."""
     from pytest_kvconform.xdist_hooks import planned_worker_count
 
     return planned_worker_count(config) > 0 and not hasattr(config, "workerinput")
 
 
-def run_may_select_adoption(config: Any) -> bool:
+def may_select_adoption(config: Any) -> bool:
     """Whether ``-k`` leaves any KV-A test in the run (in whichever process runs it)."""
     keyword = getattr(config.option, "keyword", "") or ""
     if not keyword:

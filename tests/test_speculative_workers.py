@@ -35,9 +35,11 @@ def test_may_select_adoption(keyword: str, expected: bool) -> None:
     assert selection_guess.may_select_adoption(config) is expected, keyword
 
 
-def test_xdist_controller_never_speculates() -> None:
-    config = _Config(keyword="", dist="load", tx=["2*popen"], collectonly=False)
-    assert selection_guess.may_select_adoption(config) is False
+def test_an_xdist_controller_is_told_apart() -> None:
+    """It runs no test: it starts no worker, only the fork server its workers share."""
+    controller = _Config(keyword="", dist="load", tx=["2*popen"], collectonly=False)
+    assert selection_guess.is_xdist_controller(controller) is True
+    assert selection_guess.is_xdist_controller(_Config(keyword="", dist="no")) is False
 
 
 class _Handle:
