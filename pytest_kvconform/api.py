@@ -134,7 +134,7 @@ def check_backend(
     torch_device, gpu_ids = _device(device)
     saved = omni_plugins.set_plugins_env(plugins)
     try:
-        with _quiet_vllm():
+        with run_env.applied():  # quiet vLLM, no background kernel builds
             case_list = _cases(cases)
             omni_plugins.load_plugins(plugins)
             backend = backend_under_test(backend_cls)
@@ -275,13 +275,6 @@ def _worker_pool(plan: Sequence[_Run], device: str, gpu_ids: list[str]) -> Itera
         yield kv_workers
     finally:
         workers.release()
-
-
-@contextlib.contextmanager
-def _quiet_vllm() -> Iterator[None]:
-    """The run's environment defaults (``run_env``) for the duration of the checks."""
-    with run_env.applied():
-        yield
 
 
 # --- one run -----------------------------------------------------------------------------------

@@ -79,14 +79,20 @@ def pid() -> int | None:
     return int(value) if value is not None else None
 
 
+def _gone(server_pid: int) -> bool:
+    """Whether another process's server has exited: not our child, so no wait*(); a zombie
+    awaiting its starter counts as gone."""
+    try:
+        with open(f"/proc/{server_pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
 def _exited(server_pid: int) -> bool:
     """Whether the server has exited, without reaping it (multiprocessing reaps it)."""
-    if _attached:  # not our child: no wait*(); a zombie awaiting its starter counts as gone
-        try:
-            with open(f"/proc/{server_pid}/stat", "rb") as f:
-                return f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
-        except (OSError, IndexError):
-            return True
+    if _attached:
+        return _gone(server_pid)
     try:
         return os.waitid(os.P_PID, server_pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
@@ -153,10 +159,9 @@ def attach(shared: Mapping[str, Any]) -> bool:
     if _attached or running() or not usable():
         return False
     server_pid = int(shared["pid"])
-    _attached = True  # _exited() reads /proc from here on
-    if _exited(server_pid):
-        _attached = False
+    if _gone(server_pid):
         return False
+    _attached = True
     _server._forkserver_address = shared["address"]
     _server._forkserver_pid = server_pid
     # Sent to each forked worker as "the server's alive fd", which a worker never uses.

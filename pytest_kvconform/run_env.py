@@ -67,7 +67,6 @@ def applied(defaults: Mapping[str, str] = DEFAULTS) -> Iterator[list[str]]:
         restore(added)
 
 
-
 def freeze_heap() -> int:
     """Move every object the collector tracks into its permanent generation; how many."""
     gc.freeze()
