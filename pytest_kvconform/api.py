@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from pytest_kvconform import budget, run_env
 from pytest_kvconform import clauses as clauses_mod
+from pytest_kvconform.checks.common import via_recorded
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.outcomes import (
     ClauseFailure,
@@ -67,6 +68,7 @@ class CheckResult:
     error_kind: ErrorKind | None = None
     test: str = ""
     duration_s: float = 0.0
+    via: str | None = None  # the production entry point a KV-A check drove
 
     @property
     def ok(self) -> bool:
@@ -134,7 +136,8 @@ def check_backend(
     torch_device, gpu_ids = _device(device)
     saved = omni_plugins.set_plugins_env(plugins)
     try:
-        with run_env.applied():  # quiet vLLM, no background kernel builds
+        cpu = run_env.CPU_DEFAULTS if torch_device == "cpu" else {}
+        with run_env.applied(), run_env.applied(cpu):  # quiet vLLM, no kernel builds; CPU
             case_list = _cases(cases)
             omni_plugins.load_plugins(plugins)
             backend = backend_under_test(backend_cls)
@@ -262,7 +265,8 @@ def _plan(selected: Sequence[clauses_mod.Clause], backend: BackendUnderTest,
 @contextlib.contextmanager
 def _worker_pool(plan: Sequence[_Run], device: str, gpu_ids: list[str]) -> Iterator[Any]:
     """The KV-A worker processes, held for the run and closed after it (no orphans)."""
-    sizes = [r.case.world_size for r in plan if r.check.needs_workers and r.case is not None]
+    sizes = [r.case.world_size if r.case is not None else 1
+             for r in plan if r.check.needs_workers]
     if not sizes:
         yield None
         return
@@ -299,6 +303,7 @@ def _arguments(run: _Run, device: str, kv_workers: Any, memory_fraction: float) 
         "case": lambda: run.case,
         "device": lambda: device,
         "workers": workers_for_case,
+        "worker": lambda: kv_workers.for_world_size(1),
         "workers_device": lambda: kv_workers.device,
         "workers_factory": lambda: workers_for_case,
         "memory_fraction": lambda: memory_fraction,
@@ -314,9 +319,11 @@ def _execute(run: _Run, device: str, kv_workers: Any, memory_fraction: float) ->
         return CheckResult(clause=run.clause.id, backend=run.backend_label, case=None,
                            layout=None, status="skipped", message=run.no_case,
                            test=run.test_id)
+    via: list[str] = []
     try:
         check = run.check.resolve()
-        with budget.per_test(budget.DEFAULT_TIMEOUT_S):  # as --kv-timeout bounds a test
+        with budget.per_test(budget.DEFAULT_TIMEOUT_S), \
+                via_recorded() as via:  # as --kv-timeout bounds a test
             check(*_arguments(run, device, kv_workers, memory_fraction))
     except (ClauseSkip, Unsupported) as exc:  # an adapter's absence: the running clause's skip
         skip = exc if isinstance(exc, ClauseSkip) else exc.skip(run.clause.id)
@@ -336,4 +343,5 @@ def _execute(run: _Run, device: str, kv_workers: Any, memory_fraction: float) ->
         clause=run.clause.id, backend=run.backend_label,
         case=run.case.id if run.case is not None else None, layout=run.layout,
         status=status, message=message, skip_kind=skip_kind, error_kind=error_kind,
-        test=run.test_id, duration_s=round(time.monotonic() - started, 4))
+        test=run.test_id, duration_s=round(time.monotonic() - started, 4),
+        via="; ".join(via) or None)

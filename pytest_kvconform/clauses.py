@@ -55,14 +55,16 @@ TEST_NAME_RE = re.compile(rf"^test_kv_(?P<family>[{FAMILY_ORDER.lower()}])(?P<nu
 #   device          the torch device of this process                      [kv_device]
 #   workers         the worker processes for the case's world size, or    [kv_workers]
 #                   the reason (a str) there are not enough devices
+#   worker          one worker process (a world-size-1 deployment), or    [kv_workers]
+#                   the reason there is none
 #   workers_device  the device the workers were placed from              [kv_workers.device]
 #   workers_factory a callable returning ``workers`` (started on demand)
 #   memory_fraction the share of free device memory KV-A6 allocates       [--kv-memory-fraction]
 Arg = Literal["backend", "need", "need_backend", "layout", "case", "device", "workers",
-              "workers_device", "workers_factory", "memory_fraction"]
+              "worker", "workers_device", "workers_factory", "memory_fraction"]
 # The arguments that make the parameter axes, in the suite's id order (backend-layout-case).
 WHO_ARGS: frozenset[str] = frozenset({"backend", "need", "need_backend"})
-WORKER_ARGS: frozenset[str] = frozenset({"workers", "workers_factory"})
+WORKER_ARGS: frozenset[str] = frozenset({"workers", "worker", "workers_factory"})
 AppliesTo = Literal["backend", "layout x case", "case", "backend x case"]
 
 ALWAYS_FORGIVEN: frozenset[SkipKind] = frozenset({SkipKind.NOT_APPLICABLE})
@@ -212,8 +214,8 @@ CLAUSES: tuple[Clause, ...] = (
     _l(3, "Precedence", _c("layout", "check_kv_l3", "backend")),
     _l(4, "Contradiction", _c("layout", "check_kv_l4", "backend")),
     _l(5, "Enforcement", _c("layout", "check_kv_l5", "backend")),
-    _l(6, "Production wiring", _c("layout", "check_kv_l6", "backend", "device"),
-       _c("layout", "check_kv_l6", "need_backend", "device", seam=True)),
+    _l(6, "Production wiring", _c("layout", "check_kv_l6", "backend", "worker"),
+       _c("layout", "check_kv_l6", "need_backend", "worker", seam=True)),
     _l(7, "Paged read path", _c("layout", "check_kv_l7", "backend", "device"),
        forgiven=HARDWARE_FORGIVEN),
     _l(8, "User-selected layouts",
@@ -234,8 +236,7 @@ CLAUSES: tuple[Clause, ...] = (
     _n(3, "num_gpu_blocks_override", one_rank_one_group, "case"),
     _n(4, "Fewer than two pages refused", one_rank_one_group, "case"),
     _n(5, "Several ranks take the smallest num_blocks", one_group, "case"),
-    _a(1, "Pinned before sizing, stamped on every config", adoption_case, "case", "device",
-       forgiven=ALWAYS_FORGIVEN),
+    _a(1, "Pinned before sizing, stamped on every config", adoption_case, "case", "workers"),
     _a(2, "A real process boundary", adoption_case, "case", "workers"),
     _a(3, "Worker adoption and allocation at oracle offsets", adoption_case, "case", "workers"),
     _a(4, "Negative controls", adoption_case, "case", "workers"),

@@ -478,7 +478,10 @@ def backend_selected(name: str, path: str) -> Iterator[str]:
     stand-in, a hook or entry-point backend) is plugged in the way a backend
     repository does it, as a ``register_diffusion_backend`` override of a
     registry member, so a control plane that resolves the selected name through
-    the registry finds it; the previous override is restored afterwards.
+    the registry finds it; the previous override is restored afterwards.  The
+    layer selector's cache of resolved classes is cleared both ways: production
+    re-points a member once, before any layer exists, where this process re-points
+    it per check.
     """
     from vllm_omni.diffusion.attention.backends.registry import (
         DiffusionAttentionBackendEnum,
@@ -492,6 +495,7 @@ def backend_selected(name: str, path: str) -> Iterator[str]:
     member = members.get("TORCH_SDPA") or next(iter(DiffusionAttentionBackendEnum))
     previous = member.get_path() if member.is_overridden() else None
     register_diffusion_backend(member, path)
+    _clear_selector_cache()
     try:
         yield member.name
     finally:
@@ -499,15 +503,28 @@ def backend_selected(name: str, path: str) -> Iterator[str]:
             member.clear_override()
         else:
             register_diffusion_backend(member, previous)
+        _clear_selector_cache()
+
+
+def _clear_selector_cache() -> None:
+    """Forget the classes vllm-omni's layer selector resolved (where it caches them)."""
+    try:
+        selector = importlib.import_module("vllm_omni.diffusion.attention.selector")
+    except ImportError:
+        return
+    clear = getattr(getattr(selector, "_cached_get_backend_cls", None), "cache_clear", None)
+    if clear is not None:
+        clear()
 
 
 def production_od_config(*, attention_backend: str | None = None, world_size: int = 1,
-                         max_model_len: int = -1) -> Any:
+                         max_model_len: int = -1, extra: dict[str, Any] | None = None) -> Any:
     """The ``OmniDiffusionConfig`` of a paged diffusion model served with ``attention_backend``.
 
     The backend is selected the way a user selects it
     (``diffusion_attention_config.default.backend``), so a control plane that
-    consults the selected backend sees it.
+    consults the selected backend sees it.  ``extra``: further fields, each passed
+    only where the installed ``OmniDiffusionConfig`` has it (feature detection).
     """
     from vllm_omni.diffusion.data import OmniDiffusionConfig, TransformerConfig
     from vllm_omni.diffusion.diffusion_kv.config import DiffusionKVCacheMode
@@ -524,6 +541,7 @@ def production_od_config(*, attention_backend: str | None = None, world_size: in
         kwargs["num_gpus"] = world_size
     if attention_backend is not None and "diffusion_attention_config" in params:
         kwargs["diffusion_attention_config"] = {"default": {"backend": attention_backend}}
+    kwargs.update({k: v for k, v in (extra or {}).items() if k in params})
     return OmniDiffusionConfig(**kwargs)
 
 

@@ -102,7 +102,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     params = [getattr(getattr(item, "callspec", None), "params", {}) for item in session.items
               if "kv_workers" in getattr(item, "fixturenames", ())]
-    sizes = [p["kv_case"].world_size for p in params if "kv_case" in p]
+    sizes = [p["kv_case"].world_size if "kv_case" in p else 1 for p in params]
     KvWorkers(plugin.device, list(plugin.gpu_ids)).settle(max(sizes, default=0))
 
 

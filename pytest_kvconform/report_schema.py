@@ -52,7 +52,7 @@ ENV_OPTIONAL_KEYS = ("plugins",)
 RESULT_KEYS = (
     "nodeid", "backend", "clause", "case", "layout", "device", "status", "reason", "duration_s",
 )
-RESULT_OPTIONAL_KEYS = ("skip_kind", "xfail", "error_kind")
+RESULT_OPTIONAL_KEYS = ("skip_kind", "xfail", "error_kind", "via")
 SUMMARY_KEYS = ("strict", "total", "by_status", "by_clause", "blocking")
 
 
@@ -219,7 +219,7 @@ def _validate_result(result: Any, where: str) -> None:
     _expect_type(result["clause"], f"{where}.clause", str)
     if not CLAUSE_RE.match(result["clause"]):
         raise ReportError(f"{where}.clause", f"not a clause id: {result['clause']!r}")
-    for key in ("backend", "case", "layout", "device", "reason", "xfail"):
+    for key in ("backend", "case", "layout", "device", "reason", "xfail", "via"):
         _expect_type(result.get(key), f"{where}.{key}", str, none=True)
     if result["status"] not in STATUSES:
         raise ReportError(

@@ -9,6 +9,12 @@
   under xdist, where every process that imports vLLM starts its own pair (issue 12,
   benchmarks/RESULTS.md).  A serving process started later builds them when it needs them.
 
+On a CPU run (:data:`CPU_DEFAULTS`), also the platforms production's diffusion worker
+needs there: ``VLLM_TARGET_DEVICE=cpu`` (vLLM's own switch to its CPU platform, which
+vLLM's CPU build selects by itself) and ``KVCONFORM_CPU_OMNI_PLATFORM=1``, which
+activates the plugin's CPU Omni platform (``omni_cpu_platform.py``; vllm-omni ships
+none for CPU, and the entry point stays inert in any process without it).
+
 Set before anything imports vLLM, so the fork server, xdist workers and KV-A workers
 inherit them; restored at the end of the run.
 
@@ -33,6 +39,12 @@ DEFAULTS: Mapping[str, str] = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "HUMMING_DISABLE_PARALLEL_BUILD": "1",
 }
+CPU_PLATFORM_ENV = "KVCONFORM_CPU_OMNI_PLATFORM"  # omni_cpu_platform.ENV (same layer, kept apart)
+CPU_DEFAULTS: Mapping[str, str] = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    CPU_PLATFORM_ENV: "1",
+}
+_ALL: Mapping[str, str] = {**DEFAULTS, **CPU_DEFAULTS}
 
 
 def apply(defaults: Mapping[str, str] = DEFAULTS) -> list[str]:
@@ -54,7 +66,7 @@ def header_line(added: list[str]) -> str | None:
     if not added:
         return None
     return "kvconform: environment set for this run: " + ", ".join(
-        f"{name}={DEFAULTS[name]}" for name in added)
+        f"{name}={_ALL[name]}" for name in added)
 
 
 @contextlib.contextmanager

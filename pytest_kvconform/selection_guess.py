@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# The suite tests that use ``kv_workers`` (suite/test_adoption.py): KV-A2..A6.
-ADOPTION_TESTS = ("test_kv_a2", "test_kv_a3", "test_kv_a4", "test_kv_a5", "test_kv_a6",
-                  "test_adoption.py", "test_adoption")
+# The suite tests that use ``kv_workers``: KV-A1..A6 (suite/test_adoption.py) and KV-L6.
+ADOPTION_TESTS = ("test_kv_a1", "test_kv_a2", "test_kv_a3", "test_kv_a4", "test_kv_a5",
+                  "test_kv_a6", "test_kv_l6", "test_adoption.py", "test_adoption",
+                  "test_layout.py", "test_layout")
 
 
 def is_xdist_controller(config: Any) -> bool:

@@ -101,6 +101,8 @@ class KvSession:
                 self.device = devices.torch_device_for(request, self.gpu_ids)
             except devices.DeviceError as exc:
                 raise pytest.UsageError(str(exc)) from None
+        if self.device == "cpu":  # production's CPU platforms, before vLLM is imported
+            self._env_added += run_env.apply(run_env.CPU_DEFAULTS)
         from pytest_kvconform import xdist_hooks
 
         xdist_hooks.register_xdist_hooks(self.config)
@@ -130,7 +132,16 @@ class KvSession:
         broken = None if self.selection.remote else compat.production_import_error()
         if broken:
             lines.append(import_error_line(broken))
+        elif not self.selection.remote and compat.omni_installed():
+            lines.append(worker_path_line())
         if self.fault:
             lines.append(f"kvconform: WARNING: seeded worker fault {self.fault!r} is active "
                          "(KVCONFORM_WORKER_FAULT); results do not qualify anything")
         return lines
+
+
+def worker_path_line() -> str:
+    """Which production entry point KV-A (and KV-L6) hand the configs to on this host."""
+    from pytest_kvconform import engine
+
+    return f"kvconform: KV-A worker path: {engine.entry_point().chain(engine.UNI)}"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.faults import ERROR_KIND_PROPERTY, harness_kind
-from pytest_kvconform.model import SKIP_KIND_PROPERTY, ResultRow
+from pytest_kvconform.model import SKIP_KIND_PROPERTY, VIA_PROPERTY, ResultRow
 from pytest_kvconform.options import Options
 from pytest_kvconform.outcomes import ClauseFailure, ErrorKind
 from pytest_kvconform.session_selection import XFAIL_PROPERTY, KvSelection
@@ -227,5 +227,6 @@ def result_row(report: pytest.TestReport) -> ResultRow | None:
         skip_kind=props.get(SKIP_KIND_PROPERTY),
         xfail=props.get(XFAIL_PROPERTY),
         error_kind=error_kind if status in ("error", "xfailed") else None,
+        via=props.get(VIA_PROPERTY),
     )
 

@@ -1,9 +1,12 @@
 """Worker processes for the adoption clauses (KV-A): pool, pipe protocol, child loop.
 
-A worker is a real, separate process, so nothing pinned in the test process leaks
-into it: its config starts unpinned and its rank-local config crosses the process
-boundary as the executor's frames.  Importing vLLM / vllm-omni costs ~10 s idle
-(20-45 s loaded), so (issue 12):
+A KV-A worker process hosts production's side of a deployment (``engine.py``):
+either the whole engine (control plane, executor, diffusion worker: production's
+uniproc topology, or a multiproc executor that spawns its own worker processes),
+or one rank's worker when the control plane runs in the test process
+(``deployment.py``).  Nothing pinned in the test process leaks into it: its configs
+start unpinned, and a rank's configs cross the process boundary as the executor's
+frames.  Importing vLLM / vllm-omni costs ~10 s idle (20-45 s loaded), so:
 
 - a CPU worker is forked from a fork server (``forkserver.py``, multiprocessing's
   ``forkserver`` method) that imported the preload once: a worker starts in under
@@ -13,28 +16,28 @@ boundary as the executor's frames.  Importing vLLM / vllm-omni costs ~10 s idle
   before collection (``KvWorkers.speculate``), so its imports overlap discovery.
   Under xdist the controller starts that server and its workers attach to it
   (``forkserver.share`` / ``attach``): one import for the server of the whole run.
-  Not chosen: lazy per-clause imports (every one of KV-A2..A6 needs the whole
-  preload: the worker builds a production config and allocates through vLLM);
-  *workers* shared per host by xdist workers (one process would then serve two
-  sessions: its lifetime, its faults and per-GPU pinning would need a broker); a
-  shared *server* needs none of that, as each worker still belongs to one session.
+  Both the server and a spawned worker freeze the imports' objects out of the
+  garbage collector's reach (``gc.freeze``): production's model loading collects
+  several times per deployment, which would otherwise walk ~900,000 objects each.
 - a GPU worker (``gpu:<id>`` or a torch device string) is spawned, as vllm-omni's
-  multiproc executor starts its workers, and as before: it pins
-  ``CUDA_VISIBLE_DEVICES`` before anything imports torch.  Forking it from a server
-  that imported torch and vLLM would only be safe if those imports never
-  initialised CUDA nor cached a device count, which no GPU-less host can show; a
-  forked worker refuses to run if torch's CUDA is already initialised in it.
+  multiproc executor starts its workers: it pins ``CUDA_VISIBLE_DEVICES`` before
+  anything imports torch.  Forking it from a server that imported torch and vLLM
+  would only be safe if those imports never initialised CUDA nor cached a device
+  count, which no GPU-less host can show; a forked worker refuses to run if torch's
+  CUDA is already initialised in it.
 
-Workers are pooled per (device, slot) and reused for the whole session; a dead
-worker is replaced on the next request, and the request that saw it die raises
-:class:`WorkerDied` carrying the tail of its stderr.
+Workers are pooled per (device, slot) and reused for the whole session (each
+deployment is closed before the next starts); a dead worker is replaced on the
+next request, and the request that saw it die raises :class:`WorkerDied` carrying
+the tail of its stderr.
 
 Protocol: one dict per message over a ``multiprocessing.Pipe``; the child answers
 ``{"ok": True, "result": ...}`` or ``{"ok": False, "error": ..., "traceback": ...}``.
-Commands: ``ping``, ``adopt_and_init``, ``write_pattern``, ``read_back``,
-``free_memory``, ``release``, ``resolve_backend``, ``shutdown`` (and ``crash``, for the
-harness's tests).  A suite worker loads the vLLM / vllm-omni plugins at start-up, as
-vllm-omni's diffusion workers do (``LOAD_PLUGINS``).
+Commands: ``ping``, ``engine_run`` / ``engine_call`` (a whole deployment here),
+``rank_start`` / ``rank_rpc`` (one rank; the executor's frames), ``free_memory``,
+``release``, ``shutdown`` (and ``crash``, for the harness's tests).  A suite worker
+loads the vLLM / vllm-omni plugins at start-up, as vllm-omni's diffusion workers
+do (``LOAD_PLUGINS``).
 
 Placement: a worker runs on ``"cpu"`` or on ``"gpu:<id>"``, a
 ``CUDA_VISIBLE_DEVICES`` entry the child sets in its own environment before
@@ -42,12 +45,10 @@ anything imports torch, so it sees exactly one GPU, as ``cuda:0`` (an xdist
 worker's narrowed ``CUDA_VISIBLE_DEVICES`` is not inherited).  A plain torch
 device string (``"cuda:1"``) inherits the parent's environment.
 
-Seeded faults reach the child through the command, not through monkeypatching
-(which a child process never sees): the parent forwards ``$KVCONFORM_WORKER_FAULT``
-with every command; :func:`active_fault` says which one is active, so a
-qualification run can refuse it.  ``skip_adoption`` and ``wrong_offset`` are
-contract faults (the clause must fail); ``hang``, ``die`` and ``oom`` are process
-faults in ``adopt_and_init`` (the test must end as a harness error, and the run go on).
+Seeded faults (``fault_seeds.py``) reach the child through the command, not
+through monkeypatching (which a child process never sees): the parent forwards
+``$KVCONFORM_WORKER_FAULT`` with every command; :func:`active_fault` says which one
+is active, so a qualification run can refuse it.
 
 Process faults are harness errors (:class:`~pytest_kvconform.outcomes.HarnessError`),
 never clause failures: :class:`WorkerDied`, :class:`WorkerTimeout` (the worker was
@@ -62,7 +63,9 @@ plus a lifeline-pipe watchdog; a forked worker's parent-death signal is tied to 
 fork server, which is tied to the test process, its lifeline to the test process
 itself), ignores SIGINT (its parent decides when it stops),
 and with ``$KVCONFORM_WORKER_PIDDIR`` set writes ``<pid>.worker`` there, so a test can
-check by PID that nothing is left.
+check by PID that nothing is left.  Worker processes production's multiproc executor
+spawns are its own: they die with the KV-A worker that started them (production sets
+their parent-death signal), which dies with the test process.
 
 Stdlib only at import (numpy, torch, pytest and ``compat`` are imported where used).
 """
@@ -82,28 +85,31 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from pytest_kvconform import budget, forkserver, lifetime
+from pytest_kvconform import budget, fault_seeds, forkserver, lifetime
 from pytest_kvconform.devices import Unplaceable
+from pytest_kvconform.engine import is_out_of_memory
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
-from pytest_kvconform.standins import declaring
+from pytest_kvconform.worker_extension import process_identity
 
-FAULT_ENV = "KVCONFORM_WORKER_FAULT"
-FAULTS = ("skip_adoption", "wrong_offset", "hang", "die", "oom")
-PIDDIR_ENV = "KVCONFORM_WORKER_PIDDIR"
-# The seeded ``oom`` fault asks for this many times the real allocation (past any host).
-OOM_FAULT_FACTOR = 1 << 40
+FAULT_ENV = fault_seeds.ENV
+FAULTS = fault_seeds.FAULTS
+PIDDIR_ENV = fault_seeds.PIDDIR_ENV
 # A preload step, not a module: load the vLLM / vllm-omni plugins as vllm-omni's diffusion
 # workers do (omni_plugins.load_plugins), so the worker resolves backends as production would.
 LOAD_PLUGINS = "kvconform:load-plugins"
 # What a suite worker imports before it reports ready: the cost is paid once, at start-up.
 PRELOAD: tuple[str, ...] = (
     "pytest_kvconform.compat",
+    "pytest_kvconform.engine",
     "vllm_omni.diffusion.vllm_config",
     "vllm_omni.diffusion.diffusion_kv.layout",
+    "vllm_omni.diffusion.diffusion_kv.initialization",
+    "vllm_omni.diffusion.executor.abstract",
+    "vllm_omni.diffusion.worker.diffusion_model_runner",
+    "vllm_omni.diffusion.worker.diffusion_worker",  # where it imports (not on every host)
     "vllm.distributed.device_communicators.shm_broadcast",
     "vllm.v1.worker.gpu.attn_utils",
     LOAD_PLUGINS,
@@ -142,7 +148,13 @@ class WorkerCommandError(WorkerError):
     """The command raised inside the worker; the message carries the child's traceback.
 
     Not a harness error: the code under test refused (a clause check decides).
+    ``remote`` is the child's record of it (``engine.error_record``: type, message,
+    the production function it came through).
     """
+
+    def __init__(self, message: str, remote: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.remote = remote or {}
 
 
 def active_fault() -> str | None:
@@ -151,11 +163,7 @@ def active_fault() -> str | None:
     Validated here, not in the child, so a typo never runs as a silent no-fault
     run and a session can print (or refuse) the fault before any worker starts.
     """
-    value = os.environ.get(FAULT_ENV) or None
-    if value is not None and value not in FAULTS:
-        raise ValueError(f"${FAULT_ENV}={value!r} is not a known worker fault; expected one of "
-                         f"{', '.join(FAULTS)} (or unset)")
-    return value
+    return fault_seeds.active()
 
 
 def child_device(placement: str) -> tuple[str, str | None]:
@@ -208,37 +216,6 @@ def rank_placements(n: int, device: str, gpu_ids: Sequence[str],
     if len(ids) < n:
         return Unplaceable(f"needs {n} CUDA devices, {len(ids)} distinct visible")
     return [f"{GPU_PREFIX}{g}" for g in ids]
-
-
-# --- the pattern both sides agree on -------------------------------------------------
-
-
-def page_pattern(layer: int, block: int, rank: int, shape: Sequence[int]) -> Any:
-    """uint8 bytes for one (layer, block) page, shaped ``[H, N, C bytes]``.
-
-    Never zero (so a missing write shows), different per page, rank and cell
-    position (so a swapped page, rank or axis shows).
-    """
-    import numpy as np
-
-    h, n, c = np.indices(tuple(shape), dtype=np.int64)
-    tag = layer * 1_000_003 + block * 7_919 + rank * 104_729
-    return ((tag + h * 131 + n * 37 + c * 7) % 255 + 1).astype(np.uint8)
-
-
-def config_summary(config: Any) -> dict[str, Any]:
-    """The fields of a ``KVCacheConfig`` that adoption depends on, as plain values."""
-    tensors = [
-        {"size": t.size, "layers": list(getattr(t, "layers", []) or []),
-         "layer_stride": getattr(t, "layer_stride", None),
-         "block_stride": getattr(t, "block_stride", None), "offset": getattr(t, "offset", None)}
-        for t in config.kv_cache_tensors
-    ]
-    groups = [{"layer_names": list(g.layer_names), "spec": repr(g.kv_cache_spec)}
-              for g in config.kv_cache_groups]
-    return {"num_blocks": config.num_blocks,
-            "kv_cache_layout": getattr(config, "kv_cache_layout", None),
-            "kv_cache_tensors": tensors, "kv_cache_groups": groups}
 
 
 # --- parent side ---------------------------------------------------------------------
@@ -378,7 +355,8 @@ class WorkerHandle:
             if not reply.get("ok"):
                 raise WorkerCommandError(
                     f"{self!r}: {what!r} raised {reply.get('error')}\n"
-                    f"--- worker traceback ---\n{reply.get('traceback', '')}")
+                    f"--- worker traceback ---\n{reply.get('traceback', '')}",
+                    reply.get("record"))
             return reply.get("result")
         if not ready:
             self.kill()
@@ -413,38 +391,29 @@ class WorkerHandle:
     def ping(self) -> dict[str, Any]:
         return dict(self.request("ping"))
 
-    def adopt_and_init(self, frames: Sequence[bytes], rank: int, *, need: bool | None = None,
-                       skip_adoption: bool = False, prepin: str | None = None) -> AdoptReport:
-        """Receive the executor's frames, pick ``rank``'s config, adopt it, ``init_kv_cache``.
+    def engine_run(self, spec: Any, *, control: str | None = None, prepin: str | None = None,
+                   visible_devices: str | None = None) -> Any:
+        """Run a whole deployment in this worker (``engine.Engine``); its report."""
+        return self.request("engine_run", spec=spec, control=control, prepin=prepin,
+                            visible_devices=visible_devices)
 
-        ``skip_adoption`` and ``prepin`` (a layout name pinned on the worker's own
-        config first) are KV-A4's negative controls.  Returns the worker's report.
-        """
-        self.send_adopt(frames, rank, need=need, skip_adoption=skip_adoption, prepin=prepin)
-        return AdoptReport.from_dict(self.receive("adopt_and_init"))
+    def engine_call(self, method: str, rank: int, *args: Any) -> Any:
+        """An observation of rank ``rank`` of the deployment this worker runs."""
+        return self.request("engine_call", method=method, rank=rank, args=list(args))
 
-    def send_adopt(self, frames: Sequence[bytes], rank: int, *, need: bool | None = None,
-                   skip_adoption: bool = False, prepin: str | None = None) -> None:
-        self.send({"cmd": "adopt_and_init", "frames": list(frames), "rank": rank, "need": need,
-                   "skip_adoption": skip_adoption, "prepin": prepin})
+    def rank_start(self, spec: Any, rank: int, *, control: str | None = None) -> dict[str, Any]:
+        """Host rank ``rank`` of a deployment whose control plane runs in this process."""
+        return dict(self.request("rank_start", spec=spec, rank=rank, control=control))
 
-    def write_pattern(self, pages: Iterable[tuple[int, int]], rank: int = 0) -> None:
-        """Write :func:`page_pattern` into each (layer index, block) page through the views."""
-        self.request("write_pattern", pages=[tuple(p) for p in pages], rank=rank)
-
-    def read_back(self, regions: Iterable[tuple[int, int]]) -> list[bytes]:
-        """Bytes of the backing allocation at each (start, nbytes) region."""
-        return list(self.request("read_back", regions=[tuple(r) for r in regions]))
+    def send_rpc(self, frames: Sequence[bytes]) -> None:
+        """Hand this rank the executor's RPC frames (the reply: :meth:`receive`)."""
+        self.send({"cmd": "rank_rpc", "frames": list(frames)})
 
     def free_memory(self) -> int | None:
         return self.request("free_memory")
 
-    def resolve_backend(self, name: str, source: str) -> dict[str, Any]:
-        """``{"path", "error", "plugins"}``: the class this worker resolves ``name`` to."""
-        return dict(self.request("resolve_backend", name=name, source=source))
-
     def release(self) -> None:
-        """Drop the worker's allocation (and, on CUDA, return it to the driver)."""
+        """Close what the worker ran (and, on CUDA, return its memory to the driver)."""
         self.request("release")
 
     def close(self, timeout: float = 5.0) -> None:
@@ -470,71 +439,6 @@ class WorkerHandle:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(2)
-
-
-@dataclass
-class AdoptReport:
-    """What one worker did with ``adopt_and_init``, as seen from inside it.
-
-    Built in the worker, crossing the pipe as a plain dict (:meth:`as_dict`),
-    rebuilt here on the parent side (:meth:`from_dict`) and read by attribute.
-    Errors are ``{"type", "message"}``; ``views`` maps a layer to its device,
-    shape, dtype and byte offset in the backing storage.
-    """
-
-    pid: int
-    ppid: int  # the OS parent: this process, or its fork server
-    parent_pid: int | None  # multiprocessing's parent: this process
-    has_parent_process: bool
-    start_method: str | None
-    cuda_visible_devices: str | None
-    rank: int
-    method: str | None
-    num_configs: int
-    fresh_layout: str | None
-    received: dict[str, Any]
-    fault: str | None = None
-    adopted: str | None = None
-    adopt_error: dict[str, str] | None = None
-    init_error: dict[str, str] | None = None
-    layout_after: str | None = None
-    views: dict[str, dict[str, Any]] = field(default_factory=dict)
-    storage_nbytes: int | None = None
-    num_storages: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, reply: Any) -> AdoptReport:
-        return cls(**dict(reply))
-
-
-def broadcast_adopt(handles: Sequence[WorkerHandle], frames: Sequence[bytes], **options: Any,
-                    ) -> list[AdoptReport]:
-    """Send the same frames to every rank at once (as the executor does), then collect.
-
-    Every reply that was asked for is read before the first error is raised, so
-    no rank's pipe is left holding a stale reply for its next request.
-    """
-    sent: list[WorkerHandle] = []
-    error: WorkerError | None = None
-    for rank, handle in enumerate(handles):
-        try:
-            handle.send_adopt(frames, rank, **options)
-        except WorkerError as exc:
-            error = exc
-            break
-        sent.append(handle)
-    replies = []
-    for handle in sent:
-        try:
-            replies.append(handle.receive("adopt_and_init"))
-        except WorkerError as exc:
-            error = error or exc
-    if error is not None:
-        raise error
-    return [AdoptReport.from_dict(reply) for reply in replies]
 
 
 class WorkerPool:
@@ -758,15 +662,6 @@ class KvWorkers:
 # --- child side ------------------------------------------------------------------------
 
 
-def process_identity() -> dict[str, Any]:
-    """Who this process is, as seen from inside it: the proof of a process boundary."""
-    return {"pid": os.getpid(), "ppid": os.getppid(),
-            "parent_pid": getattr(multiprocessing.parent_process(), "pid", None),
-            "has_parent_process": multiprocessing.parent_process() is not None,
-            "start_method": multiprocessing.get_start_method(allow_none=True),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-
-
 def _tie_to_parent(parent: tuple[int, Any, bool]) -> None:
     """Never outlive the parent; leave Ctrl-C to it; say who we are (``$PIDDIR_ENV``)."""
     parent_pid, lifeline, death_signal = parent
@@ -815,9 +710,17 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
         traceback.print_exc()
         conn.send({"ok": False, "error": repr(exc), "traceback": traceback.format_exc()})
         return
+    import gc
+
+    gc.freeze()  # the imports' objects: never walked by the collections production runs
+    from dataclasses import asdict
+
+    from pytest_kvconform import engine
+
     conn.send({"ok": True, "result": {**process_identity(), "device": device,
                                       "import_s": round(time.monotonic() - started, 2),
-                                      "plugins": plugins}})
+                                      "plugins": plugins,
+                                      "entry_point": asdict(engine.entry_point())}})
     state = _WorkerState(device)
     while True:
         try:
@@ -834,8 +737,11 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
             reply = {"ok": False, "oom": {"asked": exc.asked, "free": exc.free},
                      "error": f"{type(exc.error).__name__}: {exc.error}"}
         except Exception as exc:
+            from pytest_kvconform import engine
+
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                     "traceback": traceback.format_exc()}
+                     "traceback": traceback.format_exc(),
+                     "record": engine.error_record(exc, message.get("cmd", ""))}
         conn.send(reply)
 
 
@@ -861,24 +767,12 @@ def _load_plugins() -> dict[str, Any]:
     return omni_plugins.worker_summary(omni_plugins.load_plugins())
 
 
-def _error(exc: BaseException) -> dict[str, str]:
-    return {"type": type(exc).__name__, "message": str(exc)}
-
-
 class _OutOfMemory(Exception):
     """An allocation failed for want of memory: answered as ``oom``, not as a command error."""
 
     def __init__(self, asked: int, free: int | None, error: BaseException) -> None:
         super().__init__(f"asked for {asked} bytes, {free} free")
         self.asked, self.free, self.error = asked, free, error
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """torch's CUDA / CPU allocator failures and MemoryError, told apart from other errors."""
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
-        return True
-    text = str(exc).lower()
-    return "out of memory" in text or "can't allocate memory" in text
 
 
 def free_bytes(device: str) -> int | None:
@@ -900,27 +794,15 @@ def free_bytes(device: str) -> int | None:
         return None
 
 
-def _seeded_process_fault(fault: str | None) -> None:
-    """The ``hang`` and ``die`` faults, mid-command (``oom`` is seeded at the allocation)."""
-    if fault == "hang":
-        piddir = os.environ.get(PIDDIR_ENV)
-        if piddir:
-            with contextlib.suppress(OSError):
-                open(os.path.join(piddir, f"{os.getpid()}.hang"), "w").close()
-        while True:
-            time.sleep(3600)
-    if fault == "die":
-        os.write(2, b"kvconform: seeded fault 'die': SIGKILL mid-command\n")
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class _WorkerState:
-    """What one worker holds between commands: its config and its KV allocation."""
+    """What one worker holds between commands: the engine (or rank host) it runs."""
 
     def __init__(self, device: str) -> None:
         self.device = device
-        self.views: dict[str, Any] = {}
-        self.layers: list[str] = []
+        self.engine: Any = None  # engine.Engine: control plane + executor + workers here
+        self.host: Any = None  # engine.RankHost: one rank of a deployment run from the parent
+        self.fault: str | None = None
+        self._seeded = contextlib.ExitStack()
 
     def handle(self, message: dict[str, Any]) -> Any:
         cmd = message["cmd"]
@@ -935,7 +817,16 @@ class _WorkerState:
         return handler(message)
 
     def release(self) -> None:
-        self.views, self.layers = {}, []
+        """Close the deployment this worker ran (its executor, runner and allocation)."""
+        if self.engine is not None:
+            self.engine.close()
+        if self.host is not None:
+            self.host.shutdown()
+        self.engine = self.host = None
+        self._seeded.close()
+        import gc
+
+        gc.collect()
         if self.device.startswith("cuda"):
             import torch
 
@@ -944,107 +835,92 @@ class _WorkerState:
     def cmd_release(self, message: dict[str, Any]) -> None:
         self.release()
 
-    def cmd_resolve_backend(self, message: dict[str, Any]) -> dict[str, Any]:
-        from pytest_kvconform import omni_plugins
-
-        resolved = omni_plugins.resolve_backend(message["name"], message["source"])
-        return {**resolved, "plugins": omni_plugins.worker_summary(omni_plugins.load_plugins())}
-
     def cmd_free_memory(self, message: dict[str, Any]) -> int | None:
         from pytest_kvconform import compat
 
         self.release()
         return compat.device_free_memory(self.device)
 
-    def cmd_adopt_and_init(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Adopt and allocate; the report crosses the pipe as a dict (:class:`AdoptReport`)."""
-        from pytest_kvconform import compat, executor_wire
+    def cmd_engine_run(self, message: dict[str, Any]) -> Any:
+        """Run a whole deployment here (production's control plane, executor, workers)."""
+        from pytest_kvconform import engine
 
         self.release()
-        _seeded_process_fault(message.get("fault"))
-        rpc = executor_wire.decode(message["frames"])
-        configs, max_model_len = rpc["args"]
-        rank = message["rank"]
-        config = configs[rank]  # as DiffusionWorker.set_kv_cache_configs picks its own
-        vllm_config = compat.production_vllm_config(self.device, world_size=len(configs))
-        report = AdoptReport(
-            **process_identity(), rank=rank, method=rpc.get("method"),
-            num_configs=len(configs),
-            fresh_layout=vllm_config.cache_config.kv_cache_layout,
-            received=config_summary(config), fault=message.get("fault"))
-        vllm_config.model_config.max_model_len = max_model_len
-        vllm_config.cache_config.num_gpu_blocks = config.num_blocks
-        if message.get("prepin"):
-            vllm_config.cache_config.kv_cache_layout = message["prepin"]
-        skip = message.get("skip_adoption") or message.get("fault") == "skip_adoption"
-        if not skip:
-            try:
-                report.adopted = compat.adopt_layout(vllm_config, config).name
-                if message.get("need") is not None:
-                    compat.assert_backend_layout_supported(vllm_config,
-                                                           declaring(bool(message["need"])))
-            except Exception as exc:
-                report.adopt_error = _error(exc)
-                return report.as_dict()
-        asked = sum(int(t.size) for t in config.kv_cache_tensors)
-        try:
-            if message.get("fault") == "oom":  # a real allocator failure, far past any host
-                import torch
+        self.engine = engine.Engine(message["spec"])
+        with _visible_devices(message.get("visible_devices")):
+            report = self.engine.run(fault=message.get("fault"), control=message.get("control"),
+                                     prepin=message.get("prepin"))
+        if report.error and report.error.get("oom"):
+            raise _OutOfMemory(_asked(report), free_bytes(self.device),
+                               RuntimeError(report.error["message"]))
+        return report
 
-                asked *= OOM_FAULT_FACTOR
-                torch.empty(asked, dtype=torch.uint8, device=self.device)
-            views = compat.init_kv_cache(vllm_config, config, self.device)
+    def cmd_engine_call(self, message: dict[str, Any]) -> Any:
+        """An observation of one rank of the deployment this worker runs."""
+        if self.engine is None:
+            raise RuntimeError("engine_call before engine_run")
+        args = list(message.get("args", ()))
+        if message["method"] == "kvconform_write_pattern":
+            args.append(message.get("fault"))
+        return self.engine.call(message["method"], message["rank"], *args)
+
+    def cmd_rank_start(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Host rank ``rank`` of a deployment whose control plane runs in the parent."""
+        from pytest_kvconform import engine, fault_seeds
+
+        self.release()
+        spec = message["spec"]
+        fault = message.get("fault")
+        selected = self._seeded.enter_context(engine.backend_selected(spec))
+        self._seeded.enter_context(fault_seeds.regression(message.get("control") or fault))
+        self._seeded.enter_context(fault_seeds.oversized_allocation(fault))
+        self.fault = fault
+        od = engine.od_config(spec, selected, executor_backend=None)
+        self.host = engine.RankHost(od, message["rank"])
+        return process_identity()
+
+    def cmd_rank_rpc(self, message: dict[str, Any]) -> Any:
+        """One of the executor's RPCs, received as the executor's frames."""
+        from pytest_kvconform import executor_wire, fault_seeds
+
+        if self.host is None:
+            raise RuntimeError("rank_rpc before rank_start")
+        rpc = executor_wire.decode(message["frames"])
+        method, args = rpc["method"], list(rpc.get("args", ()))
+        if method == "set_kv_cache_configs":
+            fault_seeds.process_fault(self.fault if self.fault in ("hang", "die") else None)
+        if method == "kvconform_write_pattern":
+            args.append(self.fault)
+        try:
+            return getattr(self.host, method)(*args, **rpc.get("kwargs", {}))
         except Exception as exc:
             if is_out_of_memory(exc):
-                raise _OutOfMemory(asked, free_bytes(self.device), exc) from exc
-            report.init_error = _error(exc)
-            return report.as_dict()
-        report.layout_after = vllm_config.cache_config.kv_cache_layout
-        self.views = dict(views)
-        self.layers = [name for t in config.kv_cache_tensors for name in t.layers]
-        storages = set()
-        for name, view in self.views.items():
-            storage = view.untyped_storage()
-            storages.add(storage.data_ptr())
-            report.views[name] = {
-                "device": str(view.device), "shape": list(view.shape), "dtype": str(view.dtype),
-                "byte_offset": view.data_ptr() - storage.data_ptr()}
-            report.storage_nbytes = storage.nbytes()
-        report.num_storages = len(storages)
-        return report.as_dict()
+                raise _OutOfMemory(_asked_configs(args), free_bytes(self.device), exc) from exc
+            raise
 
-    def _raw(self) -> Any:
-        import torch
 
-        storage = next(iter(self.views.values())).untyped_storage()
-        raw = torch.empty(0, dtype=torch.uint8, device=storage.device)
-        return raw.set_(storage, 0, (storage.nbytes(),), (1,))
+def _asked(report: Any) -> int:
+    return _asked_configs([report.rank_configs]) if report.rank_configs else 0
 
-    def cmd_write_pattern(self, message: dict[str, Any]) -> None:
-        import torch
 
-        if not self.views:
-            raise RuntimeError("write_pattern before a successful adopt_and_init")
-        raw = self._raw()
-        raw.zero_()
-        wrong_offset = message.get("fault") == "wrong_offset"
-        for layer, block in message["pages"]:
-            page = self.views[self.layers[layer]][block].view(torch.uint8)
-            if wrong_offset:  # seeded fault: the page lands one token off
-                shift = min(page.stride()[:2])
-                end = page.storage_offset() + shift + sum(
-                    (n - 1) * s for n, s in zip(page.shape, page.stride(), strict=True)) + 1
-                shift = -shift if end > raw.numel() else shift
-                page = torch.as_strided(raw, page.shape, page.stride(),
-                                        page.storage_offset() + shift)
-            pattern = page_pattern(layer, block, message.get("rank", 0), tuple(page.shape))
-            page.copy_(torch.from_numpy(pattern).to(page.device))
-        if raw.device.type == "cuda":
-            torch.cuda.synchronize(raw.device)
+def _asked_configs(args: Sequence[Any]) -> int:
+    """Bytes a ``set_kv_cache_configs`` call allocates on the first rank it names."""
+    configs = args[0] if args and isinstance(args[0], list) else []
+    return sum(int(t.size) for t in configs[0].kv_cache_tensors) if configs else 0
 
-    def cmd_read_back(self, message: dict[str, Any]) -> list[bytes]:
-        raw = self._raw()
-        out = []
-        for start, nbytes in message["regions"]:
-            out.append(raw[start:start + nbytes].cpu().numpy().tobytes())
-        return out
+
+@contextlib.contextmanager
+def _visible_devices(value: str | None) -> Iterator[None]:
+    """For a deployment that spawns its own workers: the GPUs they may use."""
+    if value is None:
+        yield
+        return
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous

@@ -1,14 +1,24 @@
-"""KV-A clauses: the control plane's layout reaches real worker processes intact.
+"""KV-A clauses: the control plane's layout reaches production's workers intact.
 
-Each check runs the production control plane (``control_plane.py``) for a
-backend's declared need, or for an explicit need through the seam, sends the
-rank-local configs to spawned workers (``workers.py``) serialised the way the
-executor sends them, and compares what the workers did with the oracle.
+Each check stands up a deployment of production's own engine
+(``deployment.py`` / ``engine.py``): vllm-omni's control plane
+(``initialize_diffusion_kv_control_plane``; for the seam variants its call of
+``build_native_kv_cache_configs`` is handed the need), the executor production
+selects for the case (uniproc at world size 1, multiproc above it, or wherever a
+process boundary is the point), and production's diffusion worker, model runner
+and ``DiffusionKVModelRunnerBackend`` for a model whose attention layers use the
+backend under test.  The checks only look: at the configs the control plane handed
+over, at what each rank's worker did with them, and at bytes written through the
+views production bound to each layer, compared with the oracle.  Where a production
+piece cannot run on this host the deepest one that can is driven, and the result
+names it (``via``).
 
-A worker that dies, times out or runs out of memory is the harness's fault, not
-the backend's: it stays a :class:`HarnessError` (with the clause, backend and case
-added to its message), never a ClauseFailure.  Only a command that raised inside
-the worker (the code under test refused) fails the clause.
+A backend without ``supports_paged_kv`` is refused by production's worker
+(``DiffusionKVModelRunnerBackend.register_kv_cache_layers``): no layout ever reaches
+a worker for it, so the clauses do not apply.  A worker that dies, times out or runs
+out of memory is the harness's fault, not the backend's: it stays a
+:class:`HarnessError` (with the clause, backend and case added), never a
+ClauseFailure.  What production raised fails the clause, naming the function.
 """
 
 from __future__ import annotations
@@ -16,31 +26,28 @@ from __future__ import annotations
 import os
 import random
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvconform import compat, executor_wire, forkserver, oracle
-from pytest_kvconform.checks.common import Where, declared_need, unsupported_as_skip
+from pytest_kvconform import compat, deployment, engine, oracle, seam_backends
+from pytest_kvconform.checks.common import (
+    Where,
+    declared_need,
+    note_via,
+    unsupported_as_skip,
+)
 from pytest_kvconform.checks.errors import (
-    ClauseFailure,
-    ClauseSkip,
     HarnessError,
     SkipKind,
-    Unsupported,
 )
-from pytest_kvconform.checks.geometry import geometry_for
 from pytest_kvconform.control_plane import ControlPlane, build_control_plane
 from pytest_kvconform.devices import Unplaceable
+from pytest_kvconform.engine import EngineReport, EngineSpec
 from pytest_kvconform.model import BackendUnderTest, Case
-from pytest_kvconform.workers import (
-    AdoptReport,
-    WorkerError,
-    WorkerHandle,
-    broadcast_adopt,
-    config_summary,
-    page_pattern,
-)
+from pytest_kvconform.worker_extension import config_summary, page_pattern
+from pytest_kvconform.workers import WorkerError, WorkerHandle
 
 Source = BackendUnderTest | bool  # a backend (its declared need) or an explicit need
 Workers = Sequence[WorkerHandle] | Unplaceable  # one worker per rank, or why there are none
@@ -48,20 +55,37 @@ SAMPLED_PAGES = 4
 _FULL_READ_LIMIT = 1 << 26  # read the whole allocation back below this many bytes
 _GUARD_BYTES = 256  # bytes checked (must stay zero) on either side of a probed page
 _TABLE_CELLS = 1 << 22
+REFUSAL = "DiffusionKVModelRunnerBackend.register_kv_cache_layers"
 
 
 @dataclass(frozen=True)
-class _Run(Where):
-    """A KV-A check's failure context plus the need it runs the control plane for."""
+class Run(Where):
+    """A KV-A check's failure context plus what its deployment serves.
+
+    ``need`` is the need the backend declares (a seam variant's explicit one);
+    ``path`` the class every registered layer must use; ``seam``: the need is
+    handed to the control plane through its explicit seam.
+    """
 
     need: bool = False
+    name: str = ""
+    path: str = ""
+    seam: bool = False
 
 
-def _run(clause: str, source: Source, case: Case) -> _Run:
+def _run(clause: str, source: Source, case: Case) -> Run:
     compat.require_omni(clause)
     if isinstance(source, bool):
-        return _Run(clause, f"need={source}", case, need=source)
-    return _Run(clause, source.name, case, need=declared_need(clause, source))
+        return Run(clause, f"need={source}", case, need=source, name=f"need_{source}",
+                    path=seam_backends.path(source), seam=True)
+    run = Run(clause, source.name, case, need=declared_need(clause, source),
+               name=source.name, path=source.path)
+    if not getattr(source.cls, "supports_paged_kv", False):
+        raise run.skip(f"{source.name} has no paged KV support (supports_paged_kv is not True): "
+                       f"production's worker refuses to serve paged KV with it ({REFUSAL} "
+                       "raises NotImplementedError), so no layout reaches a worker",
+                       SkipKind.NOT_APPLICABLE)
+    return run
 
 
 # The public ``kv_control_plane`` fixture reads a backend's need as KV-A1 does.
@@ -80,18 +104,7 @@ def fixture_control_plane(source: Source, case: Case, *, world_size: int | None 
         return build_control_plane(need, case, world_size=world_size, device=device)
 
 
-def _control_plane(run: _Run, device: str, **kwargs: Any) -> ControlPlane:
-    try:
-        return build_control_plane(run.need, run.the_case, device=device, **kwargs)
-    except (ClauseFailure, ClauseSkip):
-        raise
-    except Unsupported as exc:
-        raise exc.skip(run.clause) from None
-    except Exception as exc:
-        raise run.fail(f"the control plane raised {type(exc).__name__}: {exc}") from exc
-
-
-def _ranks(run: _Run, workers: Workers) -> list[WorkerHandle]:
+def _ranks(run: Run, workers: Workers) -> list[WorkerHandle]:
     if isinstance(workers, Unplaceable):
         raise run.skip(workers.reason, SkipKind.HARDWARE)
     if len(workers) != run.the_case.world_size:
@@ -99,53 +112,110 @@ def _ranks(run: _Run, workers: Workers) -> list[WorkerHandle]:
     return list(workers)
 
 
-def _adopt(run: _Run, cp: ControlPlane, handles: Sequence[WorkerHandle],
-           **options: Any) -> list[AdoptReport]:
-    """Send the executor's frames to every rank; a worker that dies fails the clause."""
-    frames, _wire = executor_wire.encode(cp.rpc_message())
+def _topology(case: Case, *, boundary: bool = False) -> str:
+    """What production selects for the case (uniproc alone, multiproc above), or a process
+    boundary on purpose (production's multiproc executor at any world size)."""
+    return engine.MP if boundary or case.world_size > 1 else engine.UNI
+
+
+@contextmanager
+def deploy(run: Run, handles: Sequence[WorkerHandle], *, topology: str,
+              need: bool | None = None, control: str | None = None,
+              prepin: str | None = None, memory: int | None = None,
+              ) -> Iterator[deployment.Deployment]:
+    """Production's engine for this check's backend and case, closed afterwards."""
+    case = run.the_case
+    spec = EngineSpec(backend=run.name, backend_path=run.path, case=case,
+                      world_size=case.world_size, topology=topology, device=handles[0].device,
+                      need=need if need is not None else (run.need if run.seam else None),
+                      memory=memory)
     try:
-        return broadcast_adopt(handles, frames, need=run.need, **options)
+        deployed = deployment.start(spec, handles, control=control, prepin=prepin)
+    except Unsupported as exc:
+        raise exc.skip(run.clause) from None
     except HarnessError as exc:
-        raise run.harness(exc, "waiting for the workers to adopt and allocate") from exc
+        raise run.harness(exc, f"running production's deployment ({topology})") from exc
     except WorkerError as exc:
-        raise run.fail(f"worker process failed: {exc}", layout=cp.pinned) from exc
+        raise run.fail(f"the deployment could not run: {exc}") from exc
+    try:
+        note_via(deployed.report.via)
+        yield deployed
+    finally:
+        try:
+            deployed.close()
+        except HarnessError:
+            pass  # a dead worker holds nothing; the check's own outcome stands
 
 
-def _adopted_ok(run: _Run, cp: ControlPlane, reports: Sequence[AdoptReport]) -> None:
-    for rank, report in enumerate(reports):
-        for stage in ("adopt_error", "init_error"):
-            error = getattr(report, stage)
-            if error:
-                raise run.fail(f"rank {rank}: {stage.split('_')[0]} raised {error['type']}: "
-                               f"{error['message']}", layout=cp.pinned)
+def _production_error(error: dict[str, Any]) -> str:
+    where = error.get("where") or "production"
+    return f"{where} raised {error['type']}: {error['message']}"
+
+
+def ran(run: Run, report: EngineReport) -> None:
+    """The deployment came up and the control plane handed every rank its config."""
+    error = report.error
+    if error is None:
+        return
+    if error["stage"] == "worker start-up":
+        raise run.fail("production's diffusion worker could not start for this backend: "
+                       f"{_production_error(error)}", layout=report.pinned)
+    if error["stage"] == "set_kv_cache_configs":
+        raise run.fail(f"a worker refused its rank-local config: {_production_error(error)}",
+                       layout=report.pinned)
+    raise run.fail(f"production's control plane failed: {_production_error(error)}",
+                   layout=report.pinned)
+
+
+def _served(run: Run, report: EngineReport) -> None:
+    """Each rank's worker built its layers with the class under test, and registered the
+    case's geometry (else the deployment would test something else)."""
+    for rank, seen in enumerate(report.ranks):
+        backends = set(seen["layer_backends"].values())
+        if backends != {run.path}:
+            raise run.fail(f"rank {rank}: production's worker built its attention layers with "
+                           f"{sorted(backends)}, not the class the test process checked "
+                           f"({run.path}); production would run a class nobody checked",
+                           expected=run.path, actual=sorted(backends))
+    for rank, specs in enumerate(report.specs):
+        for layer, spec in specs.items():
+            case = run.the_case
+            got = (spec.num_kv_heads, spec.head_size, str(spec.dtype).removeprefix("torch."))
+            if got != (case.num_kv_heads, case.head_size, case.dtype):
+                raise HarnessError(f"{run.clause}: rank {rank}'s layer {layer} registered "
+                                   f"{got}, not the case's (num_kv_heads, head_size, dtype)")
 
 
 # --- KV-A1 --------------------------------------------------------------------------
 
 
-def check_kv_a1(source: Source, case: Case, device: str = "cpu") -> None:
+def check_kv_a1(source: Source, case: Case, workers: Workers) -> None:
     """KV-A1: the control plane pins before sizing and stamps every config with the name."""
     run = _run("KV-A1", source, case)
-    cp = _control_plane(run, device)
-    pinned = cp.pinned
+    handles = _ranks(run, workers)
+    with deploy(run, handles, topology=_topology(case)) as deployed:
+        report = deployed.report
+    if report.error is not None and not report.rank_configs:
+        ran(run, report)
+    pinned = report.pinned
     if pinned is None:
         raise run.fail("the control plane left its own CacheConfig unpinned",
                        expected="a layout name", actual=None)
-    if not cp.sized_with:
+    if not report.sized_with:
         raise run.fail("sizing (get_kv_cache_configs) was not observed; cannot tell whether "
                        "the layout was pinned before it", layout=pinned)
-    if any(name != pinned for name in cp.sized_with):
+    if any(name != pinned for name in report.sized_with):
         raise run.fail("the layout was not pinned when the control plane sized the cache",
-                       layout=pinned, expected=pinned, actual=cp.sized_with)
+                       layout=pinned, expected=pinned, actual=report.sized_with)
     if oracle.is_block_outermost(pinned) != run.need:
         raise run.fail("the pinned layout contradicts the declared need "
                        f"(indexes_kv_by_block_stride={run.need})", layout=pinned,
                        expected=f"is_block_outermost={run.need}", actual=pinned)
-    if len(cp.rank_configs) != cp.world_size:
+    if len(report.rank_configs) != case.world_size:
         raise run.fail("one rank-local config per rank", layout=pinned,
-                       expected=cp.world_size, actual=len(cp.rank_configs))
-    stamped = [(f"rank {r}", c) for r, c in enumerate(cp.rank_configs)]
-    for who, config in [*stamped, ("scheduler", cp.scheduler_config)]:
+                       expected=case.world_size, actual=len(report.rank_configs))
+    stamped = [(f"rank {r}", c) for r, c in enumerate(report.rank_configs)]
+    for who, config in [*stamped, ("scheduler", report.scheduler_config)]:
         name = getattr(config, "kv_cache_layout", None)
         if name != pinned:
             raise run.fail(f"the {who} KVCacheConfig is not stamped with the pinned layout",
@@ -154,12 +224,18 @@ def check_kv_a1(source: Source, case: Case, device: str = "cpu") -> None:
         _sized_for(run, who, config, pinned)
 
 
-def _geometry(case: Case, config: Any, layers: int) -> oracle.Geometry:
-    """Manager-block grain, as ``KVCacheTensor`` strides are."""
-    return geometry_for(case, num_blocks=config.num_blocks, num_layers=layers, kernel=False)
+def _geometry(config: Any, layers: int) -> oracle.Geometry:
+    """Manager-block grain, from the spec production's worker registered (its block size
+    is the platform's): the oracle's inputs, never production's derivation."""
+    spec = config.kv_cache_groups[0].kv_cache_spec
+    return oracle.Geometry.for_attention(
+        num_layers=layers, num_blocks=config.num_blocks, num_kv_heads=spec.num_kv_heads,
+        block_size=spec.block_size, head_size=spec.head_size,
+        dtype=str(spec.dtype).removeprefix("torch."),
+        page_size_padded=getattr(spec, "page_size_padded", None), kernel_block_size=None)
 
 
-def _expected_offset(run: _Run, who: str, tensor: Any, layout: str | None) -> int:
+def _expected_offset(run: Run, who: str, tensor: Any, layout: str | None) -> int:
     """The byte offset of a single-group tensor's first page: 0, from first principles.
 
     One group owns the whole allocation, so its first page starts at byte 0;
@@ -177,10 +253,10 @@ def _expected_offset(run: _Run, who: str, tensor: Any, layout: str | None) -> in
     return 0
 
 
-def _sized_for(run: _Run, who: str, config: Any, layout: str) -> None:
+def _sized_for(run: Run, who: str, config: Any, layout: str) -> None:
     """The sizing agrees with the pinned layout: strides are the oracle's for it."""
     for tensor in config.kv_cache_tensors:
-        geom = _geometry(run.the_case, config, len(tensor.layers))
+        geom = _geometry(config, len(tensor.layers))
         want = oracle.expected_tensor(layout, geom, _expected_offset(run, who, tensor, layout))
         got = oracle.OracleTensor(tensor.size, tensor.layer_stride, tensor.block_stride,
                                   tensor.offset)
@@ -193,86 +269,66 @@ def _sized_for(run: _Run, who: str, config: Any, layout: str) -> None:
 
 
 def check_kv_a2(source: Source, case: Case, workers: Workers) -> None:
-    """KV-A2: each rank-local config reaches an unpinned worker process intact."""
+    """KV-A2: each rank-local config reaches an unpinned worker process intact.
+
+    Runs production's multiproc topology whatever the world size: the boundary is
+    the point (the uniproc executor hands configs over by reference).
+    """
     run = _run("KV-A2", source, case)
     handles = _ranks(run, workers)
-    _same_backend_class(run, source, handles)
-    cp = _control_plane(run, handles[0].device)
-    _frames, wire = executor_wire.encode(cp.rpc_message())
-    reports = _adopt(run, cp, handles)
-    for rank, report in enumerate(reports):
-        _crossed_process_boundary(run, rank, report, cp.pinned)
-        if report.fresh_layout is not None:
+    with deploy(run, handles, topology=engine.MP) as deployed:
+        report = deployed.report
+        wire = getattr(getattr(deployed, "executor", None), "wire", "the executor's own queue")
+    ran(run, report)
+    _served(run, report)
+    pinned = report.pinned
+    for rank, seen in enumerate(report.ranks):
+        _crossed_process_boundary(run, rank, seen, report.control_plane_pid, pinned)
+        fresh = report.fresh_layouts[rank] if rank < len(report.fresh_layouts) else "?"
+        if fresh is not None:
             raise run.fail(f"rank {rank}: the worker's own config started pinned",
-                           layout=cp.pinned, expected=None, actual=report.fresh_layout)
-        if report.num_configs != cp.world_size or report.rank != rank:
-            raise run.fail(f"rank {rank} received the wrong set of rank-local configs",
-                           layout=cp.pinned, expected=(cp.world_size, rank),
-                           actual=(report.num_configs, report.rank))
-        _first_field_difference(run, cp, rank, config_summary(cp.rank_configs[rank]),
-                                report.received)
-    if wire != "vllm MessageQueue.enqueue":
+                           layout=pinned, expected=None, actual=fresh)
+        _first_field_difference(run, pinned, rank, config_summary(report.rank_configs[rank]),
+                                seen["received"])
+    if wire not in ("vllm MessageQueue.enqueue", "the executor's own queue"):
         raise run.skip(f"the executor's serialiser could not be driven; the "
                        f"configs crossed as {wire}", SkipKind.ENVIRONMENT)
 
 
-def _same_backend_class(run: _Run, source: Source, handles: Sequence[WorkerHandle]) -> None:
-    """Each worker, having loaded its plugins as production workers do, resolves the
-    backend to the class the test process checked; else production would run another."""
-    if isinstance(source, bool) or source.source not in ("registry", "platform"):
-        return  # a stand-in need, or a hook / entry-point backend production never resolves
-    for rank, handle in enumerate(handles):
-        seen = handle.resolve_backend(source.name, source.source)
-        if seen.get("path") != source.path:
-            plugins = seen.get("plugins") or {}
-            failed = "; ".join(plugins.get("failed") or []) or "none"
-            why = f" ({seen['error']})" if seen.get("error") else ""
-            raise run.fail(
-                f"rank {rank}: the worker process resolves backend {source.name} to "
-                f"{seen.get('path')}{why}, the test process to {source.path} (origin: "
-                f"{source.origin or source.source}); production's workers would run a class "
-                f"other than the one checked (worker overrides: {plugins.get('overrides')}, "
-                f"failed plugins: {failed})", expected=source.path, actual=seen.get("path"))
+def _crossed_process_boundary(run: Run, rank: int, seen: dict[str, Any],
+                              control_plane: int | None, layout: str | None) -> None:
+    """The worker says, from inside, that it is another process than the control plane's,
+    started on the control plane's behalf (multiprocessing names it as the parent)."""
+    keys = ("pid", "ppid", "parent_pid", "has_parent_process", "start_method")
+    actual = {key: seen.get(key) for key in keys}
+    if actual["pid"] == control_plane:
+        raise run.fail(f"rank {rank}: the worker ran in the control plane's process",
+                       layout=layout, expected=f"pid not {control_plane}", actual=actual)
+    if not actual["has_parent_process"] or actual["parent_pid"] != control_plane:
+        raise run.fail(f"rank {rank}: the worker is not a child process started for the "
+                       "control plane", layout=layout,
+                       expected={"parent_pid": control_plane, "has_parent_process": True},
+                       actual=actual)
+    if control_plane != os.getpid() and seen.get("ppid") != control_plane:
+        raise run.fail(f"rank {rank}: the worker's OS parent is not the engine process",
+                       layout=layout, expected=control_plane, actual=actual)
 
 
-def _crossed_process_boundary(run: _Run, rank: int, report: AdoptReport,
-                              layout: str | None) -> None:
-    """The worker says, from inside, that it is a child process this process started.
-
-    Spawned: its OS parent is this process.  Forked from this process's fork server
-    (``forkserver.py``): its OS parent is that server; either way multiprocessing
-    names this process as its parent.
-    """
-    me = os.getpid()
-    seen = {key: getattr(report, key) for key in ("pid", "ppid", "parent_pid",
-                                             "has_parent_process", "start_method")}
-    forked = seen["start_method"] == "forkserver"
-    want = {"pid": f"not {me}", "ppid": forkserver.pid() if forked else me, "parent_pid": me,
-            "has_parent_process": True,
-            "start_method": seen["start_method"] if forked else "spawn"}
-    if seen["pid"] == me:
-        raise run.fail(f"rank {rank}: the worker ran in the test process (pid)",
-                       layout=layout, expected=want, actual=seen)
-    for key in ("start_method", "ppid", "parent_pid", "has_parent_process"):
-        if seen[key] != want[key] or seen[key] is None:
-            raise run.fail(f"rank {rank}: the worker is not a spawned child of the test "
-                           f"process ({key})", layout=layout, expected=want, actual=seen)
-
-
-def _first_field_difference(run: _Run, cp: ControlPlane, rank: int, sent: Any,
+def _first_field_difference(run: Run, layout: str | None, rank: int, sent: Any,
                             received: Any, path: str = "") -> None:
     if isinstance(sent, dict) and isinstance(received, dict):
         for key in sent:
-            _first_field_difference(run, cp, rank, sent[key], received.get(key),
+            _first_field_difference(run, layout, rank, sent[key], received.get(key),
                                     f"{path}.{key}" if path else key)
         return
     if isinstance(sent, list) and isinstance(received, list) and len(sent) == len(received):
         for i, (a, b) in enumerate(zip(sent, received, strict=True)):
-            _first_field_difference(run, cp, rank, a, b, f"{path}[{i}]")
+            _first_field_difference(run, layout, rank, a, b, f"{path}[{i}]")
         return
     if sent != received:
-        raise run.fail(f"rank {rank}: the config the worker received differs at {path}",
-                       layout=cp.pinned, expected=sent, actual=received)
+        raise run.fail(f"rank {rank}: the config the worker's runner holds differs from the "
+                       f"control plane's rank-{rank} config at {path or 'the top'}",
+                       layout=layout, expected=sent, actual=received)
 
 
 # --- KV-A3 / KV-A5 --------------------------------------------------------------------
@@ -282,8 +338,8 @@ def check_kv_a3(source: Source, case: Case, workers: Workers) -> None:
     """KV-A3: workers adopt, allocate on their device, and bytes land at oracle offsets."""
     run = _run("KV-A3", source, case)
     handles = _ranks(run, workers)
-    _same_backend_class(run, source, handles)
-    _adopt_write_verify(run, handles)
+    with deploy(run, handles, topology=_topology(case)) as deployed:
+        _adopted_and_verified(run, handles, deployed)
 
 
 def check_kv_a5(source: Source, case: Case, workers: Workers) -> None:
@@ -293,52 +349,55 @@ def check_kv_a5(source: Source, case: Case, workers: Workers) -> None:
         raise run.skip(f"case {case.id} has world size {case.world_size}",
                        SkipKind.NOT_APPLICABLE)
     handles = _ranks(run, workers)
-    pids = [h.pid for h in handles]
-    if len(set(pids)) != len(pids):
-        raise run.fail("ranks share a worker process", expected="distinct pids", actual=pids)
     devices = [h.placement for h in handles]
     if devices[0] != "cpu" and len(set(devices)) != len(devices):
         raise run.fail("ranks share a device", expected="one device per rank", actual=devices)
-    cp, reports = _adopt_write_verify(run, handles)
-    for rank, report in enumerate(reports):
-        if report.rank != rank or report.pid != pids[rank]:
-            raise run.fail(f"rank {rank} adopted another rank's config", layout=cp.pinned,
-                           expected=(rank, pids[rank]), actual=(report.rank, report.pid))
-        _first_field_difference(run, cp, rank, config_summary(cp.rank_configs[rank]),
-                                report.received)
+    with deploy(run, handles, topology=engine.MP) as deployed:
+        report = _adopted_and_verified(run, handles, deployed)
+    pids = [seen["pid"] for seen in report.ranks]
+    if len(set(pids)) != len(pids):
+        raise run.fail("ranks share a worker process", expected="distinct pids", actual=pids)
+    for rank, seen in enumerate(report.ranks):
+        if seen["rank"] != rank:
+            raise run.fail(f"rank {rank}'s worker says it is rank {seen['rank']}",
+                           layout=report.pinned, expected=rank, actual=seen["rank"])
+        _first_field_difference(run, report.pinned, rank,
+                                config_summary(report.rank_configs[rank]), seen["received"])
 
 
-def _adopt_write_verify(run: _Run, handles: Sequence[WorkerHandle],
-                        ) -> tuple[ControlPlane, list[AdoptReport]]:
-    cp = _control_plane(run, handles[0].device)
-    reports = _adopt(run, cp, handles)
-    _adopted_ok(run, cp, reports)
-    for rank, (handle, report) in enumerate(zip(handles, reports, strict=True)):
-        stamped = cp.rank_configs[rank].kv_cache_layout
-        if report.adopted != stamped or report.layout_after != stamped:
+def _adopted_and_verified(run: Run, handles: Sequence[WorkerHandle],
+                          deployed: deployment.Deployment) -> EngineReport:
+    report = deployed.report
+    ran(run, report)
+    _served(run, report)
+    for rank, seen in enumerate(report.ranks):
+        stamped = report.rank_configs[rank].kv_cache_layout
+        adopted = (seen["received"] or {}).get("kv_cache_layout")
+        if adopted != stamped or seen["layout_after"] != stamped:
             raise run.fail(f"rank {rank} did not adopt the control plane's layout",
-                           layout=cp.pinned, expected=stamped,
-                           actual=(report.adopted, report.layout_after))
-        _on_device(run, cp, rank, handle.device, report)
-        _verify_pattern(run, cp, rank, handle, report)
-    return cp, reports
+                           layout=report.pinned, expected=stamped,
+                           actual=(adopted, seen["layout_after"]))
+        _on_device(run, report, rank, handles[min(rank, len(handles) - 1)].device, seen)
+        _verify_pattern(run, report, rank, deployed)
+    return report
 
 
-def _on_device(run: _Run, cp: ControlPlane, rank: int, device: str,
-               report: AdoptReport) -> None:
+def _on_device(run: Run, report: EngineReport, rank: int, device: str,
+               seen: dict[str, Any]) -> None:
     want = device if ":" in device or device == "cpu" else f"{device}:0"
-    config = cp.rank_configs[rank]
+    config = report.rank_configs[rank]
     layers = [name for t in config.kv_cache_tensors for name in t.layers]
-    if sorted(report.views) != sorted(layers):
-        raise run.fail(f"rank {rank}: init_kv_cache returned views for other layers",
-                       layout=cp.pinned, expected=sorted(layers), actual=sorted(report.views))
-    for name, view in report.views.items():
+    if sorted(seen["views"]) != sorted(layers):
+        raise run.fail(f"rank {rank}: the runner's layers hold views for other layers than its "
+                       "config", layout=report.pinned, expected=sorted(layers),
+                       actual=sorted(seen["views"]))
+    for name, view in seen["views"].items():
         if view["device"] != want:
             raise run.fail(f"rank {rank}: layer {name} was allocated off the worker's device",
-                           layout=cp.pinned, expected=want, actual=view["device"])
-    if report.num_storages != 1:
+                           layout=report.pinned, expected=want, actual=view["device"])
+    if seen["num_storages"] != 1:
         raise run.fail(f"rank {rank}: layers are not views of one backing allocation",
-                       layout=cp.pinned, expected=1, actual=report.num_storages)
+                       layout=report.pinned, expected=1, actual=seen["num_storages"])
 
 
 def _pages(case: Case, num_layers: int, num_blocks: int) -> list[tuple[int, int]]:
@@ -375,23 +434,24 @@ class _Addresses:
         return out
 
 
-def _verify_pattern(run: _Run, cp: ControlPlane, rank: int, handle: WorkerHandle,
-                    report: AdoptReport, pages: Sequence[tuple[int, int]] | None = None,
-                    ) -> None:
+def _verify_pattern(run: Run, report: EngineReport, rank: int,
+                    deployed: deployment.Deployment,
+                    pages: Sequence[tuple[int, int]] | None = None) -> None:
     """Have the worker write the pattern through its views; find it where the oracle says."""
     import numpy as np
 
-    config = cp.rank_configs[rank]
-    layout = cp.pinned or config.kv_cache_layout
+    config = report.rank_configs[rank]
+    layout = report.pinned or config.kv_cache_layout
     tensor = config.kv_cache_tensors[0]
-    geom = _geometry(run.the_case, config, len(tensor.layers))
+    geom = _geometry(config, len(tensor.layers))
     pages = list(pages) if pages is not None else _pages(run.the_case, geom.num_layers,
                                                          geom.num_blocks)
     addresses = _Addresses(layout, geom, _expected_offset(run, f"rank {rank}", tensor, layout))
     page_addrs = {p: addresses.page(*p) for p in pages}
-    if report.storage_nbytes is None:  # no view came back: nothing to read
-        raise run.fail(f"rank {rank}: init_kv_cache returned no views", layout=layout)
-    nbytes = report.storage_nbytes
+    nbytes = report.ranks[rank]["storage_nbytes"]
+    if nbytes is None:  # no view came back: nothing to read
+        raise run.fail(f"rank {rank}: the runner bound no cache view to its layers",
+                       layout=layout)
     if nbytes <= _FULL_READ_LIMIT:
         regions = [(0, nbytes)]
     else:
@@ -401,8 +461,8 @@ def _verify_pattern(run: _Run, cp: ControlPlane, rank: int, handle: WorkerHandle
             hi = min(nbytes, int(addrs.max()) + 1 + _GUARD_BYTES)
             regions.append((lo, hi - lo))
     try:
-        handle.write_pattern(pages, rank=rank)
-        blobs = handle.read_back(regions)
+        deployed.call("kvconform_write_pattern", rank, pages)
+        blobs = deployed.call("kvconform_read_back", rank, regions)
     except HarnessError as exc:
         raise run.harness(exc, f"waiting for rank {rank} to write and read back the "
                           "pattern") from exc
@@ -444,40 +504,72 @@ def _locate(address: int, page_addrs: dict[tuple[int, int], Any]) -> str:
 
 
 def check_kv_a4(source: Source, case: Case, workers: Workers) -> None:
-    """KV-A4: skipping adoption, or a worker pinned elsewhere, raises the right error."""
+    """KV-A4: production's worker refuses what it must: an unadopted layout (init_kv_cache
+    raises), a disagreeing one (adoption raises), one contradicting its layers' backend."""
     run = _run("KV-A4", source, case)
     handles = _ranks(run, workers)
-    cp = _control_plane(run, handles[0].device)
+    topology = _topology(case)
     unresolved = compat.unresolved_layout_error_text()
-    reports = _adopt(run, cp, handles, skip_adoption=True)
-    for rank, report in enumerate(reports):
-        error = report.init_error
-        if error is None:
-            raise run.fail(f"rank {rank}: init_kv_cache allocated although the worker skipped "
-                           "adoption", layout=cp.pinned,
-                           expected=f"ValueError: {unresolved or 'unresolved layout'}",
-                           actual=f"an allocation laid out as {report.layout_after}")
-        if not unresolved or unresolved not in error["message"]:
-            raise run.fail(f"rank {rank}: skipping adoption raised another error than the "
-                           "unresolved-layout error", layout=cp.pinned,
-                           expected=unresolved, actual=f"{error['type']}: {error['message']}")
-    stamped = cp.rank_configs[0].kv_cache_layout
+    with deploy(run, handles, topology=topology, control="skip_adoption") as deployed:
+        report = deployed.report
+    error = _refusal(run, report)
+    if error is None:
+        raise run.fail("with adoption skipped (DiffusionKVModelRunnerBackend.initialize_kv_cache "
+                       "rewritten without adopt_kv_cache_layout), the worker allocated",
+                       layout=report.pinned,
+                       expected=f"ValueError: {unresolved or 'unresolved layout'}",
+                       actual=f"an allocation laid out as {_layouts(report)}")
+    if not unresolved or unresolved not in error["message"]:
+        raise run.fail("skipping adoption raised another error than the unresolved-layout "
+                       "error", layout=report.pinned, expected=unresolved,
+                       actual=_production_error(error))
+    stamped = _stamped(report)
     other = next(name for name in compat.LAYOUT_NAMES if name != stamped)
-    reports = _adopt(run, cp, handles, prepin=other)
-    for rank, report in enumerate(reports):
-        error = report.adopt_error
-        if error is None:
-            raise run.fail(f"rank {rank}: a worker already pinned to {other} adopted "
-                           f"{stamped} without the disagreement error", layout=cp.pinned,
-                           expected="ValueError naming both layouts",
-                           actual=f"adopted {report.adopted}, allocated as "
-                                  f"{report.layout_after}")
-        text = error["message"]
-        if error["type"] != "ValueError" or other not in text or str(stamped) not in text:
-            raise run.fail(f"rank {rank}: the disagreement error does not name both layouts",
-                           layout=cp.pinned,
-                           expected=f"ValueError naming {other} and {stamped}",
-                           actual=f"{error['type']}: {text}")
+    with deploy(run, handles, topology=topology, prepin=other) as deployed:
+        report = deployed.report
+    error = _refusal(run, report)
+    if error is None:
+        raise run.fail(f"a worker already pinned to {other} adopted {stamped} without the "
+                       "disagreement error", layout=report.pinned,
+                       expected="ValueError naming both layouts",
+                       actual=f"allocated as {_layouts(report)}")
+    text = error["message"]
+    if error["type"] != "ValueError" or other not in text or str(stamped) not in text:
+        raise run.fail("the disagreement error does not name both layouts",
+                       layout=report.pinned, expected=f"ValueError naming {other} and {stamped}",
+                       actual=_production_error(error))
+    with deploy(run, handles, topology=topology, need=not run.need) as deployed:
+        report = deployed.report
+    if _refusal(run, report) is None:
+        native = sorted({n for seen in report.ranks
+                         for n in seen.get("native_backends", {}).values()})
+        raise run.fail(
+            f"a worker handed {_layouts(report)} for layers whose backend declares "
+            f"indexes_kv_by_block_stride()={run.need} allocated it: "
+            "DiffusionKVModelRunnerBackend.initialize_kv_cache asserts each registered layer "
+            f"against the layout through the layer's native paged backend ({', '.join(native)}), "
+            "which declares no need, so the contradiction passes unchecked",
+            layout=report.pinned, expected="ValueError: the layout contradicts the backend",
+            actual=f"allocated as {_layouts(report)}")
+
+
+def _refusal(run: Run, report: EngineReport) -> dict[str, Any] | None:
+    """The worker's refusal of its config, or None when it allocated."""
+    error = report.error
+    if error is None:
+        _served(run, report)
+        return None
+    if error["stage"] != "set_kv_cache_configs":
+        ran(run, report)
+    return error
+
+
+def _stamped(report: EngineReport) -> str | None:
+    return report.rank_configs[0].kv_cache_layout if report.rank_configs else report.pinned
+
+
+def _layouts(report: EngineReport) -> str:
+    return ", ".join(sorted({str(seen["layout_after"]) for seen in report.ranks})) or "?"
 
 
 # --- KV-A6 --------------------------------------------------------------------------
@@ -502,35 +594,25 @@ def check_kv_a6(source: Source, case: Case, device: str, workers: Callable[[], W
         raise run.harness(exc, "waiting for the workers' free memory") from exc
     except WorkerError as exc:
         raise run.fail(f"worker process failed: {exc}") from exc
-    budget = [int(f * memory_fraction) for f in free]
-    cp = _control_plane(run, device, available_memory=budget)
-    config = cp.rank_configs[0]
-    size = max(t.size for t in config.kv_cache_tensors)
-    if size <= PROBES[-1]:
-        raise run.skip(f"needs CUDA memory: {memory_fraction} of {free[0]} free "
-                       f"bytes gives a {size}-byte allocation, not past 2^32",
-                       SkipKind.HARDWARE)
-    try:
-        reports = _adopt(run, cp, handles)
-        _adopted_ok(run, cp, reports)
-        for rank, (handle, report) in enumerate(zip(handles, reports, strict=True)):
-            _on_device(run, cp, rank, handle.device, report)
-            tensor = cp.rank_configs[rank].kv_cache_tensors[0]
-            layout = cp.pinned or config.kv_cache_layout
-            geom = _geometry(case, cp.rank_configs[rank], len(tensor.layers))
+    budget = int(min(free) * memory_fraction)
+    with deploy(run, handles, topology=_topology(case), memory=budget) as deployed:
+        report = deployed.report
+        ran(run, report)
+        _served(run, report)
+        config = report.rank_configs[0]
+        size = max(t.size for t in config.kv_cache_tensors)
+        if size <= PROBES[-1]:
+            raise run.skip(f"needs CUDA memory: {memory_fraction} of {free[0]} free "
+                           f"bytes gives a {size}-byte allocation, not past 2^32",
+                           SkipKind.HARDWARE)
+        for rank, seen in enumerate(report.ranks):
+            _on_device(run, report, rank, handles[min(rank, len(handles) - 1)].device, seen)
+            tensor = report.rank_configs[rank].kv_cache_tensors[0]
+            layout = report.pinned or config.kv_cache_layout
+            geom = _geometry(report.rank_configs[rank], len(tensor.layers))
             pages = _far_pages(layout, geom, _expected_offset(run, f"rank {rank}", tensor,
                                                               layout))
-            _verify_pattern(run, cp, rank, handle, report, pages)
-    except BaseException:
-        for handle in handles:  # must not mask the error; a dead worker holds nothing
-            if handle.alive:
-                try:
-                    handle.release()
-                except HarnessError:
-                    pass
-        raise
-    for handle in handles:
-        handle.release()
+            _verify_pattern(run, report, rank, deployed, pages)
 
 
 def _far_pages(layout: str, geom: oracle.Geometry, offset: int) -> list[tuple[int, int]]:

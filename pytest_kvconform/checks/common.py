@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator
@@ -198,3 +199,26 @@ def cuda_init_recorder() -> Iterator[list[str]]:
         torch.cuda._lazy_init = original
         if not was_initialized and torch.cuda.is_initialized():
             calls.append("torch.cuda.is_initialized() became True")
+
+
+# --- what a check reports besides its outcome ----------------------------------------
+
+_VIA: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("kv_via", default=None)
+
+
+@contextlib.contextmanager
+def via_recorded() -> Iterator[list[str]]:
+    """For a front-end: collect the production entry points the check says it drove."""
+    seen: list[str] = []
+    token = _VIA.set(seen)
+    try:
+        yield seen
+    finally:
+        _VIA.reset(token)
+
+
+def note_via(via: str) -> None:
+    """For a check: which production entry point received the configs (its result says so)."""
+    seen = _VIA.get()
+    if seen is not None and via not in seen:
+        seen.append(via)

@@ -16,21 +16,14 @@ from pytest_kvconform.checks.common import (
     call_declaration,
     cuda_init_recorder,
     declared_need,
-    unsupported_as_skip,
 )
 from pytest_kvconform.checks.errors import (
-    ClauseSkip,
     HarnessError,
     SkipKind,
-    Unsupported,
 )
-from pytest_kvconform.control_plane import (
-    default_memory,
-    production_control_plane_call,
-    run_production_control_plane,
-)
+from pytest_kvconform.control_plane import production_control_plane_call
+from pytest_kvconform.devices import Unplaceable
 from pytest_kvconform.model import BackendUnderTest, Case
-from pytest_kvconform.standins import declaring
 
 DEFAULT_LAYOUT = "LBNHC"
 _CALLS = 3
@@ -292,68 +285,78 @@ def check_kv_l5(backend: BackendUnderTest) -> None:
                          actual="no exception")
 
 
-def check_kv_l6(backend: BackendUnderTest, device: str = "cpu") -> None:
-    """KV-L6: what the production control plane pins satisfies the backend's need.
+def check_kv_l6(backend: BackendUnderTest, workers: Any) -> None:
+    """KV-L6: what production's engine pins for a model served with the backend, and its
+    worker allocates, satisfies the backend's need.
 
-    The control plane runs as the engine runs it, for a paged model whose
-    attention backend is selected through ``diffusion_attention_config``;
-    only the executor is a stand-in (it reports fixed specs and memory).
+    Production's whole engine runs (``checks.adoption``): the control plane as the
+    engine runs it, for a paged model whose attention layers select this backend
+    through ``diffusion_attention_config``, against the executor production selects,
+    whose worker adopts and allocates.
     """
+    from pytest_kvconform import engine
+    from pytest_kvconform.checks import adoption
+
     clause = "KV-L6"
     where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     need = declared_need(clause, backend)
-    case = _PROBE_CASE
-    with unsupported_as_skip(clause):
-        specs = compat.worker_specs(case)
-    memory = [default_memory(case)] * case.world_size
-    try:
-        with compat.backend_selected(backend.name, backend.path) as selected:
-            od_config = compat.production_od_config(attention_backend=selected,
-                                                    world_size=case.world_size)
-            vllm_config, worker_configs, scheduler_config = run_production_control_plane(
-                od_config, specs, memory, device)
-    except ClauseSkip:
-        raise
-    except Unsupported as exc:
-        raise exc.skip(clause) from None
-    except Exception as exc:
-        raise where.fail("the production control plane failed for a paged model "
-                         f"served with this backend: {exc!r}") from exc
-    pinned = vllm_config.cache_config.kv_cache_layout
+    if not getattr(backend.cls, "supports_paged_kv", False):
+        raise where.skip(f"{backend.name} has no paged KV support (supports_paged_kv is not "
+                         "True): production serves no paged model with it "
+                         f"({adoption.REFUSAL} raises NotImplementedError)",
+                         SkipKind.NOT_APPLICABLE)
+    if isinstance(workers, Unplaceable):
+        raise where.skip(workers.reason, SkipKind.HARDWARE)
+    run = adoption.Run(clause, backend.name, _PROBE_CASE, need=need, name=backend.name,
+                       path=backend.path)
+    with adoption.deploy(run, workers, topology=engine.UNI) as deployed:
+        report = deployed.report
+    if report.error is not None and not report.rank_configs:
+        adoption.ran(run, report)
+    pinned = report.pinned
     if pinned is None:
         raise where.fail("the control plane recorded no layout on "
                          "CacheConfig.kv_cache_layout",
                          expected="a layout name", actual=None)
-    sent = [getattr(c, "kv_cache_layout", None) for c in (*worker_configs, scheduler_config)]
-    if not worker_configs or any(name != pinned for name in sent):
+    sent = [getattr(c, "kv_cache_layout", None)
+            for c in (*report.rank_configs, report.scheduler_config)]
+    if not report.rank_configs or any(name != pinned for name in sent):
         raise where.fail("the layout handed to the workers / scheduler is not the one "
                          "the control plane pinned", layout=pinned,
                          expected=pinned, actual=sent)
     canonical = compat.layout_aliases().get(pinned, pinned)
     if oracle.is_block_outermost(canonical) == need:
         return
+    allocated = [seen["layout_after"] for seen in report.ranks]
+    worker = (f"; production's worker then allocated {', '.join(map(str, allocated))} without "
+              "complaint" if report.error is None and allocated else
+              f"; production's worker refused it ({report.error['type']}: "
+              f"{report.error['message']})" if report.error else "")
     _, call_kwargs = production_control_plane_call()
     if need and "indexes_kv_by_block_stride" not in call_kwargs:
         detail = ("the control plane never receives indexes_kv_by_block_stride; pinned "
                   f"{pinned} for a backend that needs a block-outermost layout "
                   "(initialize_diffusion_kv_control_plane calls build_native_kv_cache_configs "
                   "without the backend's flag, so its kernel would read K/V at the wrong "
-                  "offsets)")
+                  f"offsets){worker}")
     else:
         detail = (f"the production control plane pinned {pinned} (is_block_outermost="
-                  f"{not need}) for a backend declaring indexes_kv_by_block_stride()={need}")
+                  f"{not need}) for a backend declaring indexes_kv_by_block_stride()={need}"
+                  f"{worker}")
     raise where.fail(detail, layout=pinned,
                      expected="a block-outermost layout" if need else
                      "a layer-outermost layout", actual=pinned)
 
 
 def seam_backend(need: bool) -> BackendUnderTest:
-    """A backend declaring ``need``, so KV-L6 covers both needs even while the
+    """A paged backend declaring ``need``, so KV-L6 covers both needs even while the
     registry declares only False (a wiring gap would otherwise stay invisible)."""
-    cls = declaring(need)
-    return BackendUnderTest(f"need_{need}", f"{cls.__module__}.{cls.__qualname__}", "synthetic",
-                            cls=cls)
+    from pytest_kvconform import seam_backends
+
+    path = seam_backends.path(need)
+    return BackendUnderTest(f"need_{need}", path, "synthetic",
+                            cls=getattr(seam_backends, seam_backends.NAMES[need]))
 
 
 def check_kv_l7(backend: BackendUnderTest, device: str = "cpu") -> str:

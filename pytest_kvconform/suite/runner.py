@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import budget
+from pytest_kvconform.checks.common import via_recorded
 from pytest_kvconform.checks.errors import ClauseSkip, Unsupported
-from pytest_kvconform.model import SKIP_KIND_PROPERTY
+from pytest_kvconform.model import SKIP_KIND_PROPERTY, VIA_PROPERTY
 
 
 def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args: Any,
@@ -29,8 +30,13 @@ def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args:
 
     try:
         try:
-            with budget.per_test(kv_session(request.config).options.timeout):
-                check(*args, **kwargs)
+            with budget.per_test(kv_session(request.config).options.timeout), \
+                    via_recorded() as via:
+                try:
+                    check(*args, **kwargs)
+                finally:
+                    if via:
+                        request.node.user_properties.append((VIA_PROPERTY, "; ".join(via)))
         except Unsupported as exc:  # an adapter's absence the check did not claim: the test's
             raise exc.skip(clause_from_test_name(request.node.name) or "KV-?") from None
     except ClauseSkip as skip:

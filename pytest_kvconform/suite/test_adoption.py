@@ -2,7 +2,8 @@
 
 ``test_kv_aN`` runs for every backend's declared need; ``test_kv_aN_seam`` once
 per need (False, True) through the control plane's explicit seam, so the
-block-outermost path runs end to end even while no backend declares it.
+block-outermost path runs end to end even while no backend declares it.  Each
+stands up production's engine on the ``kv_workers`` processes (``deployment.py``).
 """
 
 from __future__ import annotations
@@ -29,16 +30,16 @@ def _ranks(kv_workers: Any, case: Case) -> Any:
 
 @world_sizes
 def test_kv_a1(request: pytest.FixtureRequest, kv_backend: BackendUnderTest, kv_case: Case,
-               kv_device: str) -> None:
+               kv_workers: Any) -> None:
     """KV-A1 pinned before sizing, stamped on every config."""
-    run_check(request, adoption.check_kv_a1, kv_backend, kv_case, kv_device)
+    run_check(request, adoption.check_kv_a1, kv_backend, kv_case, _ranks(kv_workers, kv_case))
 
 
 @world_sizes
 def test_kv_a1_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case,
-                    kv_device: str) -> None:
+                    kv_workers: Any) -> None:
     """KV-A1 through the explicit seam."""
-    run_check(request, adoption.check_kv_a1, kv_need, kv_case, kv_device)
+    run_check(request, adoption.check_kv_a1, kv_need, kv_case, _ranks(kv_workers, kv_case))
 
 
 @world_sizes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from pytest_kvconform.checks import layout
@@ -38,14 +40,15 @@ def test_kv_l5(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> 
 
 
 def test_kv_l6(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
-               kv_device: str) -> None:
-    """KV-L6 production wiring: the control plane's pinned layout."""
-    run_check(request, layout.check_kv_l6, kv_backend, kv_device)
+               kv_workers: Any) -> None:
+    """KV-L6 production wiring: what production's engine pins, and its worker allocates."""
+    run_check(request, layout.check_kv_l6, kv_backend, kv_workers.for_world_size(1))
 
 
-def test_kv_l6_seam(request: pytest.FixtureRequest, kv_need: bool, kv_device: str) -> None:
+def test_kv_l6_seam(request: pytest.FixtureRequest, kv_need: bool, kv_workers: Any) -> None:
     """KV-L6 for each need (False/True), through a stand-in backend declaring it."""
-    run_check(request, layout.check_kv_l6, layout.seam_backend(kv_need), kv_device)
+    run_check(request, layout.check_kv_l6, layout.seam_backend(kv_need),
+              kv_workers.for_world_size(1))
 
 
 def test_kv_l7(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,

@@ -23,7 +23,7 @@ HAND_WRITTEN = ("test_layout", "test_strides", "test_nullblock", "test_adoption"
 # The fixture each check argument comes from.
 FIXTURE = {"backend": "kv_backend", "need": "kv_need", "need_backend": "kv_need",
            "layout": "kv_layout", "case": "kv_case", "device": "kv_device",
-           "workers": "kv_workers", "workers_device": "kv_workers",
+           "workers": "kv_workers", "worker": "kv_workers", "workers_device": "kv_workers",
            "workers_factory": "kv_workers", "memory_fraction": "request"}
 
 
@@ -49,6 +49,8 @@ def _argument(arg: str, request: pytest.FixtureRequest, fixtures: dict[str, Any]
             return kv_workers.for_world_size(case.world_size)
 
         return ranks() if arg == "workers" else ranks
+    if arg == "worker":
+        return fixtures["kv_workers"].for_world_size(1)
     if arg == "workers_device":
         return fixtures["kv_workers"].device
     if arg == "memory_fraction":
