@@ -23,16 +23,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pytest_kvconform import engine, executor_wire
+from pytest_kvconform import engine, executor_wire, fault_seeds
 from pytest_kvconform.engine import EngineReport, EngineSpec
 from pytest_kvconform.outcomes import Unsupported
 from pytest_kvconform.workers import WorkerError, WorkerHandle
 
 
+def _entry_point(handles: Sequence[WorkerHandle]) -> engine.EntryPoint:
+    info = handles[0].wait_ready() if handles else {}
+    return engine.EntryPoint(**(info.get("entry_point") or {"level": ""}))
+
+
 def level(handles: Sequence[WorkerHandle]) -> str:
     """The production entry point the workers can run (``engine.EXECUTOR`` / ``RUNNER``)."""
-    info = handles[0].wait_ready() if handles else {}
-    return str((info.get("entry_point") or {}).get("level", ""))
+    return _entry_point(handles).level
+
+
+def via(handles: Sequence[WorkerHandle], topology: str) -> str:
+    """Which production code the workers' deployment hands the configs to, in words."""
+    return _entry_point(handles).chain(topology)
 
 
 class ChildDeployment:
@@ -61,10 +70,12 @@ class ParentDeployment:
         try:
             for rank, handle in enumerate(self.handles):
                 handle.rank_start(spec, rank, control=control)
-            with engine.backend_selected(spec) as selected:
+            with engine.backend_selected(spec) as selected, \
+                    fault_seeds.seeded(fault_seeds.active()):
                 od = engine.od_config(spec, selected, executor_backend=None)
                 self.executor = _pipe_executor_class()(od, self.handles)
                 self.report = engine.run_control_plane(self.executor, od, spec, prepin=prepin)
+            self.report.via = via(self.handles, spec.topology)
         except BaseException:
             self.close()
             raise

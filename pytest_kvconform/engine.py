@@ -255,13 +255,17 @@ def _instrumented(need: bool | None, sized_with: list[str | None]) -> Iterator[N
 
 
 def production_frame(exc: BaseException) -> str:
-    """The innermost production function the exception came through (vLLM / vllm-omni)."""
-    where = ""
+    """The production functions (vLLM / vllm-omni) the exception came through, outermost
+    first: ``DiffusionKVModelRunnerBackend.initialize_kv_cache -> ... -> init_kv_cache``."""
+    chain: list[str] = []
     for frame, _line in traceback.walk_tb(exc.__traceback__):
         module = frame.f_globals.get("__name__", "")
-        if module.partition(".")[0] in ("vllm", "vllm_omni"):
-            where = f"{module}.{frame.f_code.co_qualname}"
-    return where or type(exc).__module__
+        name = frame.f_code.co_qualname
+        if module.partition(".")[0] in ("vllm", "vllm_omni") and name not in chain[-1:]:
+            chain.append(name)
+    if len(chain) > 4:
+        chain = [*chain[:2], "...", *chain[-2:]]
+    return " -> ".join(chain) or type(exc).__module__
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -478,8 +482,7 @@ class Engine:
         spec = self.spec
         stack = self._stack
         selected = stack.enter_context(backend_selected(spec))
-        stack.enter_context(fault_seeds.regression(control or fault))
-        stack.enter_context(fault_seeds.oversized_allocation(fault))
+        stack.enter_context(fault_seeds.seeded(fault, control))
         od = od_config(spec, selected,
                        executor_backend=spec.topology if point.level == EXECUTOR else None)
         try:
@@ -489,7 +492,7 @@ class Engine:
                                        error=error_record(exc, "worker start-up"))
             return self.report
         self.report = run_control_plane(self.executor, od, spec, prepin=prepin,
-                                        fault=fault if fault in ("hang", "die") else None)
+                                        fault=fault)
         return self.report
 
     def _make_executor(self, point: EntryPoint, od: Any) -> Any:

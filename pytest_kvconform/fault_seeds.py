@@ -36,56 +36,90 @@ PIDDIR_ENV = "KVCONFORM_WORKER_PIDDIR"
 # The seeded ``oom`` fault asks for this many times the real allocation (past any host).
 OOM_FACTOR = 1 << 40
 
-_BACKEND = "vllm_omni.diffusion.diffusion_kv.model_runner_backend:DiffusionKVModelRunnerBackend"
-_WORKER = "vllm_omni.diffusion.worker.diffusion_worker:DiffusionWorker"
-_UNIPROC = "vllm_omni.diffusion.executor.uniproc_executor:UniProcDiffusionExecutor"
+_BACKEND = "vllm_omni.diffusion.diffusion_kv.model_runner_backend"
+_WORKER = "vllm_omni.diffusion.worker.diffusion_worker"
+_UNIPROC = "vllm_omni.diffusion.executor.uniproc_executor"
+_CONTROL_PLANE = "vllm_omni.diffusion.diffusion_kv.initialization"
 
 
 @dataclass(frozen=True)
 class Regression:
-    """A production method rewritten the way a regression would change it."""
+    """A production function rewritten the way a regression would change it."""
 
-    target: str  # "module:Class"
-    method: str
-    what: str  # what the rewritten method does wrong, in words
+    target: str  # "module:function" or "module:Class.method"
+    what: str  # what the rewritten function does wrong, in words
+    runs_with: str = ""  # a module the target needs to run at all (beyond its own)
 
     @property
     def qualname(self) -> str:
-        return f"{self.target.partition(':')[2]}.{self.method}"
+        return self.target.partition(":")[2]
 
 
 REGRESSIONS: dict[str, Regression] = {
-    "skip_adoption": Regression(_BACKEND, "initialize_kv_cache",
+    "skip_adoption": Regression(f"{_BACKEND}:DiffusionKVModelRunnerBackend.initialize_kv_cache",
                                 "no longer adopts the control plane's layout"),
-    "skip_layer_assertion": Regression(_BACKEND, "initialize_kv_cache",
-                                       "no longer asserts each layer's backend against the "
-                                       "layout"),
-    "allocate_before_adopting": Regression(_BACKEND, "initialize_kv_cache",
-                                           "allocates before it adopts the layout"),
-    "other_rank_config": Regression(_WORKER, "set_kv_cache_configs",
+    "skip_layer_assertion": Regression(
+        f"{_BACKEND}:DiffusionKVModelRunnerBackend.initialize_kv_cache",
+        "no longer asserts each layer's backend against the layout"),
+    "allocate_before_adopting": Regression(
+        f"{_BACKEND}:DiffusionKVModelRunnerBackend.initialize_kv_cache",
+        "allocates before it adopts the layout"),
+    "other_rank_config": Regression(f"{_WORKER}:DiffusionWorker.set_kv_cache_configs",
                                     "hands its runner another rank's config"),
-    "shared_cache_config": Regression(_UNIPROC, "collective_rpc",
+    "shared_cache_config": Regression(f"{_UNIPROC}:UniProcDiffusionExecutor.collective_rpc",
                                       "hands the inline worker the control plane's own "
-                                      "CacheConfig"),
+                                      "CacheConfig", runs_with=_WORKER),
+    "unstamped_configs": Regression(f"{_CONTROL_PLANE}:build_native_kv_cache_configs",
+                                    "no longer stamps the layout on the configs"),
+}
+# Not a fault: production corrected.  The runner asserts each layer's own (Omni) backend
+# against the layout, where production asserts the layer's native paged backend; with it
+# seeded, KV-A4's contradiction control can be seen to pass.
+CORRECTIONS: dict[str, str] = {
+    "assert_layer_backends": "DiffusionKVModelRunnerBackend.initialize_kv_cache asserts each "
+                             "layer's own attention backend against the layout (a correction)",
+}
+# The control plane's output, spoiled after it is built (no statement of it is rewritten).
+CORRUPTIONS: dict[str, str] = {
+    "misnamed_configs": "the control plane stamps its rank-local configs with a layout it did "
+                        "not pin",
+    "shifted_offset": "the control plane shifts each rank's tensor by 512 bytes (size "
+                      "included)",
 }
 PROCESS_FAULTS = ("hang", "die", "oom")
-FAULTS: tuple[str, ...] = (*REGRESSIONS, "wrong_offset", *PROCESS_FAULTS)
+FAULTS: tuple[str, ...] = (*REGRESSIONS, *CORRUPTIONS, *CORRECTIONS, "wrong_offset",
+                           *PROCESS_FAULTS)
 
 
 def active() -> str | None:
-    """The fault ``$KVCONFORM_WORKER_FAULT`` names, or None; an unknown name raises."""
+    """The fault(s) ``$KVCONFORM_WORKER_FAULT`` names (comma-separated), or None; an unknown
+    name raises."""
     value = os.environ.get(ENV) or None
-    if value is not None and value not in FAULTS:
+    unknown = [n for n in names(value) if n not in FAULTS]
+    if unknown:
         raise ValueError(f"${ENV}={value!r} is not a known worker fault; expected one of "
-                         f"{', '.join(FAULTS)} (or unset)")
+                         f"{', '.join(FAULTS)} (comma-separated, or unset)")
     return value
 
 
+def names(fault: str | None) -> tuple[str, ...]:
+    """The faults a ``$KVCONFORM_WORKER_FAULT`` value seeds."""
+    return tuple(n.strip() for n in (fault or "").split(",") if n.strip())
+
+
 def describe(fault: str) -> str:
-    """One line for headers and reports: what the seeded fault does."""
+    """For headers and reports: what the seeded fault(s) do."""
+    return "; ".join(_describe(name) for name in names(fault))
+
+
+def _describe(fault: str) -> str:
     regression = REGRESSIONS.get(fault)
     if regression is not None:
         return f"{fault}: {regression.qualname} {regression.what}"
+    if fault in CORRUPTIONS:
+        return f"{fault}: {CORRUPTIONS[fault]}"
+    if fault in CORRECTIONS:
+        return f"{fault}: {CORRECTIONS[fault]}"
     return {"wrong_offset": "wrong_offset: the harness writes its pattern one token off",
             "hang": "hang: the worker hangs while adopting",
             "die": "die: the worker is SIGKILLed while adopting",
@@ -96,9 +130,14 @@ def describe(fault: str) -> str:
 # --- regressions: production methods rewritten -----------------------------------
 
 
-def _resolve(target: str) -> Any:
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+def _owner(target: str) -> tuple[Any, str]:
+    """(the module or class holding the function, its attribute name)."""
+    module, _, path = target.partition(":")
+    owner: Any = importlib.import_module(module)
+    *classes, name = path.split(".")
+    for cls in classes:
+        owner = getattr(owner, cls)
+    return owner, name
 
 
 class SeedError(RuntimeError):
@@ -115,30 +154,43 @@ def _is_assertion_loop(node: ast.AST) -> bool:
         _is_call_to(stmt, "assert_backend_layout_supported") for stmt in node.body)
 
 
-class _Rewrite(ast.NodeTransformer):
-    """Apply one regression to the statements of a method body (any nesting depth)."""
+def _is_stamping_loop(node: ast.AST) -> bool:
+    return isinstance(node, ast.For) and any(
+        isinstance(stmt, ast.Assign) and any(
+            isinstance(t, ast.Attribute) and t.attr == "kv_cache_layout" for t in stmt.targets)
+        for stmt in node.body)
 
-    def __init__(self, fault: str) -> None:
-        self.fault = fault
-        self.done = False
+
+class _Rewrite(ast.NodeTransformer):
+    """Apply regressions to the statements of a function body (any nesting depth)."""
+
+    def __init__(self, faults: set[str]) -> None:
+        self.faults = faults
+        self.done: set[str] = set()
+
+    def _drop(self, stmt: ast.stmt) -> bool:
+        for fault, matches in (("skip_adoption", _is_adoption),
+                               ("skip_layer_assertion", _is_assertion_loop),
+                               ("unstamped_configs", _is_stamping_loop)):
+            if fault in self.faults and matches(stmt):
+                self.done.add(fault)
+                return True
+        return False
 
     def _body(self, body: list[ast.stmt]) -> list[ast.stmt]:
         out: list[ast.stmt] = []
         moved: ast.stmt | None = None
         for stmt in body:
-            if self.fault == "skip_adoption" and _is_call_to(stmt, "adopt_kv_cache_layout"):
-                self.done = True
+            if self._drop(stmt):
                 continue
-            if self.fault == "skip_layer_assertion" and _is_assertion_loop(stmt):
-                self.done = True
-                continue
-            if self.fault == "allocate_before_adopting":
-                if _is_call_to(stmt, "adopt_kv_cache_layout"):
+            if "allocate_before_adopting" in self.faults:
+                if _is_adoption(stmt):
                     moved = stmt
                     continue
                 if moved is not None and _is_call_to(stmt, "init_kv_cache"):
                     out.extend([stmt, moved])
-                    moved, self.done = None, True
+                    moved = None
+                    self.done.add("allocate_before_adopting")
                     continue
             out.append(stmt)
         if moved is not None:
@@ -156,29 +208,36 @@ class _Rewrite(ast.NodeTransformer):
     def visit_Subscript(self, node: ast.Subscript) -> ast.AST:
         """``kv_cache_configs[self.rank]`` -> the next rank's (``other_rank_config``)."""
         self.generic_visit(node)
-        if self.fault == "other_rank_config" and ast.unparse(node) == \
-                "kv_cache_configs[self.rank]":
-            self.done = True
+        if "other_rank_config" in self.faults and \
+                ast.unparse(node) == "kv_cache_configs[self.rank]":
+            self.done.add("other_rank_config")
             return ast.parse("kv_cache_configs[(self.rank + 1) % len(kv_cache_configs)]",
                              mode="eval").body
         return node
 
 
-def _rewritten(fault: str, regression: Regression) -> Callable[..., Any]:
-    cls = _resolve(regression.target)
-    original = getattr(cls, regression.method)
-    source = textwrap.dedent(inspect.getsource(original))
-    tree = ast.parse(source)
-    rewrite = _Rewrite(fault)
+def _is_adoption(node: ast.AST) -> bool:
+    return _is_call_to(node, "adopt_kv_cache_layout")
+
+
+def _rewritten(original: Callable[..., Any], faults: set[str], where: str) -> Callable[..., Any]:
+    """``original`` with ``faults`` applied to its own source; same globals, same name."""
+    import types
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(original)))
+    rewrite = _Rewrite(faults)
     tree = ast.fix_missing_locations(rewrite.visit(tree))
-    if not rewrite.done:
-        raise SeedError(f"seeded fault {fault!r}: {regression.qualname} no longer has the "
+    missing = faults - rewrite.done
+    if missing:
+        raise SeedError(f"seeded fault {', '.join(sorted(missing))}: {where} no longer has the "
                         "statement the regression rewrites; update fault_seeds.py")
-    module = inspect.getmodule(original)
-    namespace: dict[str, Any] = dict(vars(module)) if module is not None else {}
-    code = compile(tree, f"<{fault}: {regression.qualname}>", "exec")
-    exec(code, namespace)  # production's own source, rewritten
-    function: Callable[..., Any] = namespace[regression.method]
+    namespace: dict[str, Any] = dict(original.__globals__)
+    exec(compile(tree, f"<{', '.join(sorted(faults))}: {where}>", "exec"), namespace)
+    built = namespace[original.__name__]
+    code = built.__code__.replace(co_qualname=original.__code__.co_qualname)
+    function = types.FunctionType(code, original.__globals__, original.__name__,
+                                  original.__defaults__, original.__closure__)
+    function.__kwdefaults__ = original.__kwdefaults__
     function.__qualname__ = original.__qualname__
     return function
 
@@ -211,7 +270,9 @@ def applicable(fault: str) -> str | None:
     if regression is None:
         return None
     try:
-        _resolve(regression.target)
+        _owner(regression.target)
+        if regression.runs_with:
+            importlib.import_module(regression.runs_with)
     except Exception as exc:  # the target's module does not import here
         return (f"{regression.qualname} does not run on this host ({type(exc).__name__}: "
                 f"{exc})")
@@ -219,21 +280,60 @@ def applicable(fault: str) -> str | None:
 
 
 @contextlib.contextmanager
-def regression(fault: str | None) -> Iterator[None]:
-    """For the duration: the production method ``fault`` names, rewritten (else nothing)."""
-    spec = REGRESSIONS.get(fault or "")
-    if fault is None or spec is None or applicable(fault) is not None:
+def regression(*faults: str | None) -> Iterator[None]:
+    """For the duration: the production functions the faults name, rewritten (else nothing).
+
+    Several regressions of one function are applied to its source together.
+    """
+    by_target: dict[str, set[str]] = {}
+    for fault in faults:
+        if fault in REGRESSIONS and applicable(fault) is None:
+            by_target.setdefault(REGRESSIONS[fault].target, set()).add(fault)
+    undo: list[tuple[Any, str, Any]] = []
+    try:
+        for target, names in by_target.items():
+            owner, name = _owner(target)
+            original = vars(owner)[name]
+            if names == {"shared_cache_config"}:
+                replacement = _shared_cache_config(original)
+            else:
+                replacement = _rewritten(original, names - {"shared_cache_config"},
+                                         REGRESSIONS[next(iter(names))].qualname)
+            setattr(owner, name, replacement)
+            undo.append((owner, name, original))
+        yield
+    finally:
+        for owner, name, original in reversed(undo):
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def corruption(fault: str | None) -> Iterator[None]:
+    """For the duration: the control plane's configs spoiled as ``fault`` names."""
+    fault = next((n for n in names(fault) if n in CORRUPTIONS), None)
+    if fault is None:
         yield
         return
-    cls = _resolve(spec.target)
-    original = cls.__dict__[spec.method]
-    replacement = (_shared_cache_config(original) if fault == "shared_cache_config"
-                   else _rewritten(fault, spec))
-    setattr(cls, spec.method, replacement)
+    module: Any = importlib.import_module(_CONTROL_PLANE)
+    original = module.build_native_kv_cache_configs
+
+    def spoiled(*args: Any, **kwargs: Any) -> Any:
+        rank_configs, scheduler_config = original(*args, **kwargs)
+        for config in rank_configs:
+            if fault == "misnamed_configs":  # LBNHC -> LBHNC, BLNHC -> BLHNC
+                name = config.kv_cache_layout
+                config.kv_cache_layout = name[:2] + "HN" + name[4:]
+            else:
+                tensor = config.kv_cache_tensors[0]
+                tensor.offset += 512
+                tensor.size += 512
+        return rank_configs, scheduler_config
+
+    module.build_native_kv_cache_configs = spoiled
     try:
         yield
     finally:
-        setattr(cls, spec.method, original)
+        module.build_native_kv_cache_configs = original
 
 
 # --- process faults ----------------------------------------------------------------
@@ -241,14 +341,14 @@ def regression(fault: str | None) -> Iterator[None]:
 
 def process_fault(fault: str | None) -> None:
     """The ``hang`` and ``die`` faults, where the worker adopts (``oom`` is at allocation)."""
-    if fault == "hang":
+    if "hang" in names(fault):
         piddir = os.environ.get(PIDDIR_ENV)
         if piddir:
             with contextlib.suppress(OSError):
                 open(os.path.join(piddir, f"{os.getpid()}.hang"), "w").close()
         while True:
             time.sleep(3600)
-    if fault == "die":
+    if "die" in names(fault):
         os.write(2, b"kvconform: seeded fault 'die': SIGKILL mid-command\n")
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -256,7 +356,7 @@ def process_fault(fault: str | None) -> None:
 @contextlib.contextmanager
 def oversized_allocation(fault: str | None) -> Iterator[None]:
     """``oom``: the runner's ``init_kv_cache`` first asks the allocator for far too much."""
-    if fault != "oom":
+    if "oom" not in names(fault):
         yield
         return
     module: Any = importlib.import_module("vllm_omni.diffusion.diffusion_kv.model_runner_backend")
@@ -275,3 +375,54 @@ def oversized_allocation(fault: str | None) -> Iterator[None]:
         yield
     finally:
         module.init_kv_cache = original
+
+
+@contextlib.contextmanager
+def seeded(fault: str | None, control: str | None = None) -> Iterator[None]:
+    """Everything a process hosting production applies: the run's seeded ``fault`` and a
+    check's own negative ``control`` (a regression it applies on purpose)."""
+    with regression(control, *names(fault)), corruption(fault), \
+            oversized_allocation(fault), corrected(fault):
+        yield
+
+
+@contextlib.contextmanager
+def corrected(fault: str | None) -> Iterator[None]:
+    """``assert_layer_backends``: the runner's per-layer assertion made to check each
+    layer's own attention backend (recorded as the layers register), not its native one."""
+    if "assert_layer_backends" not in names(fault):
+        yield
+        return
+    module: Any = importlib.import_module(_BACKEND)
+    cls = module.DiffusionKVModelRunnerBackend
+    register, assertion = cls.register_kv_cache_layers, module.assert_backend_layout_supported
+    own: dict[int, list[Any]] = {}
+
+    def registering(self: Any, layers: Any) -> Any:
+        own[id(self)] = [layer.attn_backend for layer, _spec in layers.values()]
+        self._kvconform_id = id(self)
+        return register(self, layers)
+
+    def asserting(vllm_config: Any, native: Any) -> None:
+        for frame in _callers():
+            backends = own.get(getattr(frame.f_locals.get("self"), "_kvconform_id", -1))
+            if backends is not None:
+                for backend in backends:
+                    assertion(vllm_config, backend)
+                return
+        assertion(vllm_config, native)
+
+    cls.register_kv_cache_layers, module.assert_backend_layout_supported = registering, asserting
+    try:
+        yield
+    finally:
+        cls.register_kv_cache_layers, module.assert_backend_layout_supported = register, assertion
+
+
+def _callers() -> Iterator[Any]:
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back  # type: ignore[assignment]

@@ -150,7 +150,7 @@ class Observation:
         caches, order = self._caches(), self._layer_order()
         for layer, block in pages:
             page = caches[order[layer]][block].view(torch.uint8)
-            if fault == "wrong_offset":  # seeded: the page lands one token off
+            if "wrong_offset" in (fault or "").split(","):  # seeded: one token off
                 shift = min(page.stride()[:2])
                 end = page.storage_offset() + shift + sum(
                     (n - 1) * s for n, s in zip(page.shape, page.stride(), strict=True)) + 1
@@ -194,7 +194,7 @@ def __getattr__(name: str) -> Any:
 
         apply_override()
         # A seeded regression reaches the worker processes production spawns this way.
-        _SEEDED.enter_context(fault_seeds.regression(fault_seeds.active()))
+        _SEEDED.enter_context(fault_seeds.seeded(fault_seeds.active()))
         cls = type("KvConformWorkerExtension", (Observation, CustomPipelineWorkerExtension),
                    {"__module__": __name__,
                     "__doc__": "Production's custom-pipeline extension plus the harness's "

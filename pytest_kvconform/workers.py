@@ -720,7 +720,10 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
     conn.send({"ok": True, "result": {**process_identity(), "device": device,
                                       "import_s": round(time.monotonic() - started, 2),
                                       "plugins": plugins,
-                                      "entry_point": asdict(engine.entry_point())}})
+                                      # where production's stack is preloaded: which of its
+                                      # worker entry points can run here
+                                      "entry_point": asdict(engine.entry_point())
+                                      if "vllm_omni" in sys.modules else None}})
     state = _WorkerState(device)
     while True:
         try:
@@ -872,8 +875,7 @@ class _WorkerState:
         spec = message["spec"]
         fault = message.get("fault")
         selected = self._seeded.enter_context(engine.backend_selected(spec))
-        self._seeded.enter_context(fault_seeds.regression(message.get("control") or fault))
-        self._seeded.enter_context(fault_seeds.oversized_allocation(fault))
+        self._seeded.enter_context(fault_seeds.seeded(fault, message.get("control")))
         self.fault = fault
         od = engine.od_config(spec, selected, executor_backend=None)
         self.host = engine.RankHost(od, message["rank"])
@@ -888,7 +890,7 @@ class _WorkerState:
         rpc = executor_wire.decode(message["frames"])
         method, args = rpc["method"], list(rpc.get("args", ()))
         if method == "set_kv_cache_configs":
-            fault_seeds.process_fault(self.fault if self.fault in ("hang", "die") else None)
+            fault_seeds.process_fault(self.fault)
         if method == "kvconform_write_pattern":
             args.append(self.fault)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import importlib
 import importlib.util
 import pkgutil
@@ -12,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from pytest_kvconform import devices, run_env
 from tests.seeding import Seeder
+
+# This process hosts inline --kv-conformance runs, so it selects the platforms such a run
+# does on a CPU host, before anything imports vLLM (run_env.CPU_DEFAULTS): a run's own
+# setting would come after this process imported vLLM, too late for its platform.
+if not devices.visible_gpu_ids(os.environ, devices.count_gpus_without_cuda_init):
+    run_env.apply(run_env.CPU_DEFAULTS)
 
 HAVE_OMNI = importlib.util.find_spec("vllm_omni") is not None
 needs_omni = pytest.mark.skipif(not HAVE_OMNI, reason="vllm-omni not installed")

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
-from pytest_kvconform import forkserver, oracle
+from pytest_kvconform import oracle
 from pytest_kvconform.checks import adoption
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip
 from pytest_kvconform.model import Case
-from pytest_kvconform.workers import AdoptReport
 
-RUN = adoption._Run("KV-A3", "need=True", Case(id="x", file="f"), need=True)
+RUN = adoption.Run("KV-A3", "need=True", Case(id="x", file="f"), need=True)
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC", "LBHNC"])
@@ -54,7 +52,7 @@ def test_expected_offset_is_zero_and_production_offset_is_asserted() -> None:
         adoption._expected_offset(RUN, "rank 0", SimpleNamespace(offset=64, layers=["l0"]),
                                   "LBNHC")
     assert (e.value.expected, e.value.actual) == (0, 64)
-    two_groups = adoption._Run("KV-A1", "x", Case(id="g2", file="f", num_groups=2), need=True)
+    two_groups = adoption.Run("KV-A1", "x", Case(id="g2", file="f", num_groups=2), need=True)
     with pytest.raises(ClauseSkip, match="2 KV cache groups"):
         adoption._expected_offset(two_groups, "rank 0", tensor, "LBNHC")
 
@@ -62,11 +60,13 @@ def test_expected_offset_is_zero_and_production_offset_is_asserted() -> None:
 def test_sized_for_fails_on_a_shifted_offset_with_otherwise_oracle_strides() -> None:
     """The oracle gets 0, not production's offset: a shifted tensor cannot pass KV-A1."""
     case = Case(id="x", file="f")
-    config = SimpleNamespace(num_blocks=16, kv_cache_tensors=[])
-    geom = adoption._geometry(case, config, 2)
+    spec = SimpleNamespace(block_size=16, num_kv_heads=2, head_size=64, dtype="torch.bfloat16")
+    config = SimpleNamespace(num_blocks=16, kv_cache_tensors=[],
+                             kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+    geom = adoption._geometry(config, 2)
     good = oracle.expected_tensor("LBNHC", geom, 0)
     shifted = oracle.expected_tensor("LBNHC", geom, 512)  # self-consistent, but not at 0
-    run = adoption._Run("KV-A1", "need=False", case, need=False)
+    run = adoption.Run("KV-A1", "need=False", case, need=False)
     for want, tensor in ((None, good), ("offset", shifted)):
         config.kv_cache_tensors = [SimpleNamespace(layers=["a", "b"], **vars(tensor))]
         if want is None:
@@ -77,22 +77,20 @@ def test_sized_for_fails_on_a_shifted_offset_with_otherwise_oracle_strides() -> 
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("pid", os.getpid()), ("ppid", 1), ("has_parent_process", False), ("start_method", "fork"),
-    ("ppid", None), ("parent_pid", 1), ("parent_pid", None)])
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+    ("pid", "the control plane's"), ("has_parent_process", False), ("parent_pid", 1),
+    ("parent_pid", None)])
+@pytest.mark.parametrize("control_plane", ["here", "engine"])
 def test_process_boundary_is_checked_from_the_workers_own_report(
-        field: str, value: object, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Spawned: the OS parent is this process; forked: this process's fork server."""
-    server = os.getpid() + 2
-    monkeypatch.setattr(forkserver, "pid", lambda: server)
-    report = AdoptReport(pid=os.getpid() + 1,
-                         ppid=server if method == "forkserver" else os.getpid(),
-                         parent_pid=os.getpid(), has_parent_process=True, start_method=method,
-                         cuda_visible_devices=None, rank=0, method=None, num_configs=1,
-                         fresh_layout=None, received={})
-    adoption._crossed_process_boundary(RUN, 0, report, "LBNHC")
-    with pytest.raises(ClauseFailure, match=rf"rank 0: the worker .*\({field}\)"):
-        adoption._crossed_process_boundary(RUN, 0, replace(report, **{field: value}), "LBNHC")
-    if method == "forkserver":  # a worker forked by some other server
-        with pytest.raises(ClauseFailure, match=r"\(ppid\)"):
-            adoption._crossed_process_boundary(RUN, 0, replace(report, ppid=server + 1), "LBNHC")
+        field: str, value: object, control_plane: str) -> None:
+    """A rank is another process than the control plane's, started on its behalf; where the
+    control plane runs in an engine process, that process is also the rank's OS parent."""
+    engine = os.getpid() if control_plane == "here" else 100
+    seen = {"pid": 200, "ppid": 300 if control_plane == "here" else engine,
+            "parent_pid": engine, "has_parent_process": True, "start_method": "forkserver"}
+    adoption._crossed_process_boundary(RUN, 0, seen, engine, "LBNHC")
+    wrong = engine if value == "the control plane's" else value
+    with pytest.raises(ClauseFailure, match=r"rank 0: the worker "):
+        adoption._crossed_process_boundary(RUN, 0, {**seen, field: wrong}, engine, "LBNHC")
+    if control_plane == "engine":  # forked by some other process
+        with pytest.raises(ClauseFailure, match=r"OS parent is not the engine process"):
+            adoption._crossed_process_boundary(RUN, 0, {**seen, "ppid": 1}, engine, "LBNHC")

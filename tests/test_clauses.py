@@ -144,7 +144,7 @@ def _code_names(fn: types.FunctionType) -> set[str]:
 
 _FIXTURE_OF_ARG = {"backend": "kv_backend", "need": "kv_need", "need_backend": "kv_need",
                    "layout": "kv_layout", "case": "kv_case", "device": "kv_device",
-                   "workers": "kv_workers", "workers_device": "kv_workers",
+                   "workers": "kv_workers", "worker": "kv_workers", "workers_device": "kv_workers",
                    "workers_factory": "kv_workers", "memory_fraction": "request"}
 
 

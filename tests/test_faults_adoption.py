@@ -1,58 +1,32 @@
 """Seeded faults for the KV-A clauses: each must turn its clause red, and only then.
 
-Faults are planted with ``seed`` (``tests/seeding.py``): control-plane faults where
-vllm-omni's control plane is looked up at call time; worker faults through
-``$KVCONFORM_WORKER_FAULT``, which every command to the spawned workers carries
-(monkeypatching the test process never reaches a spawned child).  The module holds
-the shared worker pool, so the inline runs reuse the same workers instead of paying
-vllm-omni's import in each.
+KV-A runs production's engine in KV-A worker processes, so a fault reaches it
+through ``$KVCONFORM_WORKER_FAULT`` (``seed.worker_fault``; ``fault_seeds.py``), which
+every process hosting production applies, never through monkeypatching this
+process.  The worker-side faults rewrite production's callers the way a regression
+would (``DiffusionKVModelRunnerBackend.initialize_kv_cache``,
+``DiffusionWorker.set_kv_cache_configs``, ``UniProcDiffusionExecutor``), never the
+layout helpers they call.  FLASH_ATTN is the in-tree backend production serves paged
+KV with; the seam variants (``need_False`` / ``need_True``) run beside it.  The
+module holds the shared worker pool, so the inline runs reuse the same workers
+instead of paying vllm-omni's import in each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 
-from pytest_kvconform import workers
+from pytest_kvconform import fault_seeds, workers
 from tests.conftest import needs_omni
 from tests.seeding import Seeder, expect_run
 
 pytestmark = needs_omni
 
-SDPA = ("--kv-backend", "TORCH_SDPA")
-CONTROL_PLANE = "vllm_omni.diffusion.diffusion_kv.initialization.build_native_kv_cache_configs"
-
-
-def _control_plane_fault(seed: Seeder, spoil: Callable[[list[Any], Any], None]) -> None:
-    """The control plane's configs (rank-local ones, then the scheduler's), spoiled."""
-    def make(original: Any) -> Any:
-        def faulty(*args: Any, **kwargs: Any) -> Any:
-            rank_configs, scheduler_config = original(*args, **kwargs)
-            spoil(rank_configs, scheduler_config)
-            return rank_configs, scheduler_config
-        return faulty
-
-    seed.wrap(CONTROL_PLANE, make)
-
-
-def forgets_to_stamp(rank_configs: list[Any], scheduler_config: Any) -> None:
-    for c in (*rank_configs, scheduler_config):
-        c.kv_cache_layout = None
-
-
-def other_name(rank_configs: list[Any], scheduler_config: Any) -> None:
-    """The rank-local configs carry a name the control plane did not pin (LBHNC / BLHNC)."""
-    for c in rank_configs:
-        c.kv_cache_layout = c.kv_cache_layout[:2] + "HN" + c.kv_cache_layout[4:]
-
-
-def shifted_offset(rank_configs: list[Any], scheduler_config: Any) -> None:
-    """Self-consistent (size grows with it), so only an expected offset of 0 can catch it."""
-    for t in (c.kv_cache_tensors[0] for c in rank_configs):
-        t.offset += 512
-        t.size += 512
+PAGED = ("--kv-backend", "FLASH_ATTN")
+# Production's runner asserts each layer's *native* paged backend against the layout, which
+# declares no need: the contradiction control fails on the unpatched code (a known finding).
+CONTRADICTION = ("*KV-A4 violated*allocated it: DiffusionKVModelRunnerBackend.initialize_kv_cache"
+                 " asserts each registered layer*native paged backend*")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,37 +36,91 @@ def _shared_workers():
     workers.release()
 
 
-def test_unpatched_selection_passes(kv_run) -> None:
-    result = kv_run(*SDPA, "-k", "(kv_a1 or kv_a3 or kv_a4) and bf16_h8")
-    expect_run(result, passed=9)
+def _runs_here(fault: str) -> None:
+    reason = fault_seeds.applicable(fault)
+    if reason is not None:
+        pytest.skip(f"seeded fault {fault!r} cannot run on this host: {reason}")
 
 
-def test_worker_that_skips_adoption_fails_kv_a3(seed: Seeder, kv_run) -> None:
-    seed.worker_fault("skip_adoption")
-    result = kv_run(*SDPA, "-k", "kv_a3 and bf16_h8")
-    expect_run(result, failed=3, clauses=["KV-A3"] * 3,
-               lines=["*KV-A3 violated*rank 0: init raised ValueError*"])
+def test_unpatched_selection(kv_run) -> None:
+    """Only the contradiction control fails: production's per-layer assertion is vacuous."""
+    result = kv_run(*PAGED, "-k", "(kv_a1 or kv_a2 or kv_a3 or kv_a4) and bf16_h8")
+    expect_run(result, passed=9, failed=3, clauses=["KV-A4"] * 3, lines=[CONTRADICTION])
 
 
-def test_pattern_at_a_wrong_offset_fails_kv_a3(seed: Seeder, kv_run) -> None:
-    seed.worker_fault("wrong_offset")
-    result = kv_run(*SDPA, "-k", "kv_a3")
+def test_a_runner_that_asserts_each_layers_backend_passes_kv_a4(seed: Seeder, kv_run) -> None:
+    """KV-A4's contradiction control can pass: with the runner corrected, it refuses."""
+    seed.worker_fault("assert_layer_backends")
+    result = kv_run(*PAGED, "-k", "kv_a4")
+    expect_run(result, passed=6)
+
+
+def test_a_runner_that_skips_the_layer_assertion_fails_kv_a4(seed: Seeder, kv_run) -> None:
+    seed.worker_fault("assert_layer_backends,skip_layer_assertion")
+    result = kv_run(*PAGED, "-k", "kv_a4")
+    expect_run(result, failed=6, clauses=["KV-A4"] * 6, lines=[CONTRADICTION])
+
+
+@pytest.mark.parametrize("fault", ["skip_adoption", "allocate_before_adopting"])
+def test_a_runner_that_does_not_adopt_first_fails_kv_a3(seed: Seeder, kv_run,
+                                                       fault: str) -> None:
+    seed.worker_fault(fault)
+    result = kv_run(*PAGED, "-k", "kv_a3")
     expect_run(result, failed=6, clauses=["KV-A3"] * 6, lines=[
-        "*KV-A3 violated*first difference at address*(layer 0, block 0, head 0, token 0, "
-        "byte 0)*", "*expected: '0x*", "*actual:   '0x0'*"])
+        "*KV-A3 violated*a worker refused its rank-local config: *"
+        "DiffusionKVModelRunnerBackend.initialize_kv_cache -> *raised ValueError: KV cache "
+        "layout has not been resolved yet*"])
 
 
-def test_control_plane_that_forgets_to_stamp_fails_kv_a1(seed: Seeder, kv_run) -> None:
-    _control_plane_fault(seed, forgets_to_stamp)
-    result = kv_run(*SDPA, "-k", "kv_a1")
-    expect_run(result, failed=6, clauses=["KV-A1"] * 6, lines=[
+def test_a_runner_that_skips_adoption_fails_kv_a4s_disagreement_control(
+        seed: Seeder, kv_run) -> None:
+    """Pinned elsewhere, a worker that never adopts never raises the disagreement error."""
+    seed.worker_fault("skip_adoption")
+    result = kv_run(*PAGED, "-k", "kv_a4 and bf16_h8")
+    expect_run(result, failed=3, clauses=["KV-A4"] * 3,
+               lines=["*KV-A4 violated*without the disagreement error*"])
+
+
+def test_a_worker_that_takes_another_ranks_config_fails_kv_a3_and_a5(
+        seed: Seeder, kv_run) -> None:
+    """Each rank holds its own layers: another rank's config is refused by the runner."""
+    _runs_here("other_rank_config")
+    seed.worker_fault("other_rank_config")
+    result = kv_run(*PAGED, "-k", "(kv_a3 or kv_a5) and ws2")
+    expect_run(result, failed=6, lines=[
+        "*KV-A*violated*DiffusionWorker.set_kv_cache_configs -> *initialize_kv_cache*"
+        "layer mismatch*"], in_order=False)
+
+
+def test_a_uniproc_executor_sharing_its_cache_config_fails_kv_a4(seed: Seeder, kv_run) -> None:
+    """The inline worker handed the control plane's pinned CacheConfig: adoption is masked."""
+    _runs_here("shared_cache_config")
+    seed.worker_fault("shared_cache_config")
+    result = kv_run(*PAGED, "-k", "kv_a4 and bf16_h8")
+    expect_run(result, failed=3, clauses=["KV-A4"] * 3,
+               lines=["*KV-A4 violated*with adoption skipped*the worker allocated*"])
+
+
+def test_uniproc_never_stamped_configs_fail_kv_a1_a3_and_a4(seed: Seeder, kv_run) -> None:
+    """World size 1: control plane and worker share one process (production's uniproc
+    topology); a config the control plane never stamped is not masked by the control
+    plane's own, already pinned CacheConfig."""
+    seed.worker_fault("unstamped_configs")
+    result = kv_run(*PAGED, "-k", "(kv_a1 or kv_a3 or kv_a4) and bf16_h8")
+    expect_run(result, failed=9, lines=[
         "*KV-A1 violated*rank 0 KVCacheConfig is not stamped*", "*expected: 'LBNHC'*",
         "*actual:   None*"])
+    result.stdout.fnmatch_lines(["*KV-A3 violated*did not adopt the control plane's layout*",
+                                 "*KV-A4 violated*adopted None without the disagreement error*"],
+                                consecutive=False)
+    result.stdout.fnmatch_lines(["kvconform: KV-A worker path: *UniProcDiffusionExecutor*"
+                                 if fault_seeds.applicable("other_rank_config") is None else
+                                 "kvconform: KV-A worker path: DiffusionModelRunner*"])
 
 
 def test_config_named_other_than_pinned_fails_kv_a1_and_a3(seed: Seeder, kv_run) -> None:
-    _control_plane_fault(seed, other_name)
-    result = kv_run(*SDPA, "-k", "(kv_a1 or kv_a3) and bf16_h8")
+    seed.worker_fault("misnamed_configs")
+    result = kv_run(*PAGED, "-k", "(kv_a1 or kv_a3) and bf16_h8")
     expect_run(result, failed=6, lines=["*KV-A1 violated*not stamped with the pinned layout*",
                                         "*expected: 'LBNHC'*", "*actual:   'LBHNC'*"])
     result.stdout.fnmatch_lines(["*KV-A3 violated*layout=BLNHC*first difference*"])
@@ -100,20 +128,19 @@ def test_config_named_other_than_pinned_fails_kv_a1_and_a3(seed: Seeder, kv_run)
 
 def test_shifted_tensor_offset_fails_kv_a1_and_a3(seed: Seeder, kv_run) -> None:
     """The oracle is not fed production's offset: a single group starts at byte 0."""
-    _control_plane_fault(seed, shifted_offset)
-    result = kv_run(*SDPA, "-k", "(kv_a1 or kv_a3) and bf16_h8")
+    seed.worker_fault("shifted_offset")
+    result = kv_run(*PAGED, "-k", "(kv_a1 or kv_a3) and bf16_h8")
     expect_run(result, failed=6, lines=["*KV-A1 violated*rank 0 KVCacheTensor.offset is not 0*",
                                         "*expected: 0*", "*actual:   512*"])
     result.stdout.fnmatch_lines(["*KV-A3 violated*rank 0 KVCacheTensor.offset is not 0*"])
 
 
-def test_worker_that_skips_adoption_fails_kv_a4_disagreement_control(
-        seed: Seeder, kv_run) -> None:
-    """Pinned elsewhere, a worker that never adopts never raises the disagreement error."""
-    seed.worker_fault("skip_adoption")
-    result = kv_run(*SDPA, "-k", "kv_a4 and bf16_h8")
-    expect_run(result, failed=3, clauses=["KV-A4"] * 3,
-               lines=["*KV-A4 violated*disagreement error*"])
+def test_pattern_at_a_wrong_offset_fails_kv_a3(seed: Seeder, kv_run) -> None:
+    seed.worker_fault("wrong_offset")
+    result = kv_run(*PAGED, "-k", "kv_a3")
+    expect_run(result, failed=6, clauses=["KV-A3"] * 6, lines=[
+        "*KV-A3 violated*first difference at address*(layer 0, block 0, head 0, token 0, "
+        "byte 0)*", "*expected: '0x*", "*actual:   '0x0'*"])
 
 
 @pytest.mark.parametrize("fault", [None, "wrong_offset"])

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pytest_kvconform import forkserver, workers
+from pytest_kvconform.worker_extension import page_pattern
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,8 +72,8 @@ def test_a_command_that_raises_reports_the_worker_traceback(pool: workers.Worker
     handle = pool.get(["cpu"])[0]
     with pytest.raises(workers.WorkerCommandError, match="unknown worker command 'nope'"):
         handle.request("nope")
-    with pytest.raises(workers.WorkerCommandError, match="write_pattern before"):
-        handle.write_pattern([(0, 0)])
+    with pytest.raises(workers.WorkerCommandError, match="engine_call before engine_run"):
+        handle.engine_call("kvconform_report", 0)
     assert handle.ping()["pid"] == handle.pid  # still serving
 
 
@@ -98,26 +99,28 @@ def test_shared_pool_closes_with_the_last_hold(monkeypatch: pytest.MonkeyPatch) 
 
 def test_page_pattern_tells_pages_ranks_and_cells_apart() -> None:
     shape = (2, 16, 32)
-    a = workers.page_pattern(0, 0, 0, shape)
+    a = page_pattern(0, 0, 0, shape)
     assert a.dtype == np.uint8 and a.shape == shape and a.min() >= 1
-    others = [workers.page_pattern(1, 0, 0, shape), workers.page_pattern(0, 1, 0, shape),
-              workers.page_pattern(0, 0, 1, shape)]
+    others = [page_pattern(1, 0, 0, shape), page_pattern(0, 1, 0, shape),
+              page_pattern(0, 0, 1, shape)]
     assert all(not np.array_equal(a, o) for o in others)
     assert not np.array_equal(a[0], a[1])  # heads differ within a page
     assert len(np.unique(a[0, :, 0])) == 16  # tokens differ within a page
 
 
-def test_broadcast_drains_every_reply_before_raising(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_rpc_drains_every_reply_before_raising(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 dies; rank 1's reply is read anyway, so its next request is not off by one."""
+    from pytest_kvconform import deployment
+
     own = workers.WorkerPool(preload=())
     try:
         dying, living = own.get(["cpu", "cpu"])
-        monkeypatch.setattr(dying, "send_adopt",
-                            lambda frames, rank, **o: dying.send({"cmd": "crash", "code": 5}))
-        monkeypatch.setattr(living, "send_adopt",  # answers None, unlike the ping that follows
-                            lambda frames, rank, **o: living.send({"cmd": "release"}))
+        monkeypatch.setattr(dying, "send_rpc",
+                            lambda frames: dying.send({"cmd": "crash", "code": 5}))
+        monkeypatch.setattr(living, "send_rpc",  # answers None, unlike the ping that follows
+                            lambda frames: living.send({"cmd": "release"}))
         with pytest.raises(workers.WorkerDied, match="exit code 5"):
-            workers.broadcast_adopt([dying, living], [b""])
+            deployment._exchange([dying, living], [b""], "set_kv_cache_configs")
         assert living.ping()["pid"] == living.pid
     finally:
         own.close()
@@ -184,6 +187,7 @@ def test_a_forked_worker_gets_its_parents_environment_at_start(
 STOPS = """
 import os
 from pytest_kvconform import forkserver, workers
+from pytest_kvconform.worker_extension import page_pattern
 
 if __name__ == "__main__":
     first, second = workers.WorkerPool(preload=()), workers.WorkerPool(preload=())

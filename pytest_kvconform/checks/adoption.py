@@ -38,10 +38,7 @@ from pytest_kvconform.checks.common import (
     note_via,
     unsupported_as_skip,
 )
-from pytest_kvconform.checks.errors import (
-    HarnessError,
-    SkipKind,
-)
+from pytest_kvconform.checks.errors import HarnessError, SkipKind, Unsupported
 from pytest_kvconform.control_plane import ControlPlane, build_control_plane
 from pytest_kvconform.devices import Unplaceable
 from pytest_kvconform.engine import EngineReport, EngineSpec
