@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 # Version of contract.md (shipped in this package) that the clause ids refer to.  Reports of
 # different contract versions are not merged.
-CONTRACT_VERSION = "1"
+CONTRACT_VERSION = "2"
 
 __all__ = ["CONTRACT_VERSION", "CheckResult", "__version__", "check_backend"]
 

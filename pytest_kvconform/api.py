@@ -134,10 +134,10 @@ def check_backend(
         raise ValueError(f"check_backend: plugins={plugins!r}; expected 'production' or 'none'")
     selected = clauses_mod.select(clauses)
     torch_device, gpu_ids = _device(device)
-    saved = omni_plugins.set_plugins_env(plugins)
-    try:
-        cpu = run_env.CPU_DEFAULTS if torch_device == "cpu" else {}
-        with run_env.applied(), run_env.applied(cpu):  # quiet vLLM, no kernel builds; CPU
+    cpu = run_env.CPU_DEFAULTS if torch_device == "cpu" else {}
+    with run_env.applied(), run_env.applied(cpu):  # quiet vLLM, no kernel builds; CPU
+        saved = omni_plugins.set_plugins_env(plugins)
+        try:
             case_list = _cases(cases)
             omni_plugins.load_plugins(plugins)
             backend = backend_under_test(backend_cls)
@@ -145,8 +145,8 @@ def check_backend(
             with _worker_pool(plan, torch_device, gpu_ids) as kv_workers:
                 return [_execute(run, torch_device, kv_workers, memory_fraction)
                         for run in plan]
-    finally:
-        omni_plugins.restore_plugins_env(saved)
+        finally:
+            omni_plugins.restore_plugins_env(saved)
 
 
 # --- inputs ----------------------------------------------------------------------------------

@@ -145,6 +145,8 @@ class EngineReport:
     specs: list[dict[str, Any]] = field(default_factory=list)
     ranks: list[dict[str, Any]] = field(default_factory=list)
     fresh_layouts: list[str | None] = field(default_factory=list)  # before the configs came
+    # Each rank's layers -> the class they selected, read even where the deployment failed.
+    layer_backends: list[dict[str, str | None]] = field(default_factory=list)
     control_plane_pid: int | None = None
     block_size: int | None = None  # what the platform's worker config uses
     error: dict[str, Any] | None = None  # {"type", "message", "where", "stage", "oom"}
@@ -197,6 +199,11 @@ def memory_budget(case: Case, block_size: int) -> int:
     return page * case.num_layers * case.num_pages
 
 
+def dotted(path: str) -> str:
+    """``pkg.mod:Class`` (a hook's form) as ``pkg.mod.Class``, the form production resolves."""
+    return path.replace(":", ".")
+
+
 @contextlib.contextmanager
 def backend_selected(spec: EngineSpec) -> Iterator[str]:
     """The registry name this deployment selects; a backend that is no registry member is
@@ -206,12 +213,12 @@ def backend_selected(spec: EngineSpec) -> Iterator[str]:
 
     from pytest_kvconform import compat
 
-    with compat.backend_selected(spec.backend, spec.backend_path) as selected:
+    with compat.backend_selected(spec.backend, dotted(spec.backend_path)) as selected:
         if selected == spec.backend:
             yield selected
             return
         previous = os.environ.get(worker_extension.OVERRIDE_ENV)
-        os.environ[worker_extension.OVERRIDE_ENV] = f"{selected}={spec.backend_path}"
+        os.environ[worker_extension.OVERRIDE_ENV] = f"{selected}={dotted(spec.backend_path)}"
         try:
             yield selected
         finally:
@@ -291,13 +298,12 @@ def error_record(exc: BaseException, stage: str) -> dict[str, Any]:
 
 
 def run_control_plane(executor: Any, od: Any, spec: EngineSpec, *,
-                      prepin: str | None = None, fault: str | None = None) -> EngineReport:
+                      prepin: str | None = None) -> EngineReport:
     """Production's control plane against ``executor``; what each rank's worker did.
 
     Around the executor's own ``set_kv_cache_configs`` the harness only looks: it
     records the configs the control plane hands over and each worker's layout just
-    before (``prepin`` first pins it, KV-A4's control; a seeded process fault fires
-    there too).
+    before (``prepin`` first pins it, KV-A4's control).
     """
     import os
 
@@ -323,7 +329,6 @@ def run_control_plane(executor: Any, od: Any, spec: EngineSpec, *,
         report.fresh_layouts = on_ranks("kvconform_layout")
         if prepin is not None:
             on_ranks("kvconform_prepin", prepin)
-        fault_seeds.process_fault(fault)
         set_configs(configs, max_model_len)
 
     executor.get_kv_cache_specs, executor.set_kv_cache_configs = recording_specs, recording_set
@@ -339,6 +344,7 @@ def run_control_plane(executor: Any, od: Any, spec: EngineSpec, *,
         report.pinned = vllm_config.cache_config.kv_cache_layout
         stage = "observation"
         report.ranks = on_ranks("kvconform_report")
+        report.layer_backends = [seen["layer_backends"] for seen in report.ranks]
     except HarnessError:
         raise  # a worker died, timed out or ran out of memory: not production's answer
     except Exception as exc:
@@ -346,6 +352,8 @@ def run_control_plane(executor: Any, od: Any, spec: EngineSpec, *,
                                     if "configs" in sent and stage != "observation" else stage)
         with contextlib.suppress(Exception):
             report.pinned = fault_seeds._CONTROL_PLANE_CONFIGS[-1].cache_config.kv_cache_layout
+        with contextlib.suppress(Exception):
+            report.layer_backends = on_ranks("kvconform_layer_backends")
     finally:
         del executor.get_kv_cache_specs, executor.set_kv_cache_configs
     report.rank_configs = list(sent.get("configs", []))
@@ -491,8 +499,7 @@ class Engine:
             self.report = EngineReport(via=point.chain(spec.topology),
                                        error=error_record(exc, "worker start-up"))
             return self.report
-        self.report = run_control_plane(self.executor, od, spec, prepin=prepin,
-                                        fault=fault)
+        self.report = run_control_plane(self.executor, od, spec, prepin=prepin)
         return self.report
 
     def _make_executor(self, point: EntryPoint, od: Any) -> Any:

@@ -340,7 +340,8 @@ def corruption(fault: str | None) -> Iterator[None]:
 
 
 def process_fault(fault: str | None) -> None:
-    """The ``hang`` and ``die`` faults, where the worker adopts (``oom`` is at allocation)."""
+    """The ``hang`` and ``die`` faults, in the process that is about to adopt (a deployment's
+    engine process, or a rank receiving its configs); ``oom`` is at the allocation."""
     if "hang" in names(fault):
         piddir = os.environ.get(PIDDIR_ENV)
         if piddir:

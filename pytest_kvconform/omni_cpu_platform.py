@@ -31,8 +31,31 @@ DEFAULT_BACKEND = "TORCH_SDPA"
 
 
 def activate() -> str | None:
-    """The ``vllm_omni.platform_plugins`` hook: this platform during a CPU run, else None."""
-    return QUALNAME if os.environ.get(ENV) == "1" else None
+    """The ``vllm_omni.platform_plugins`` hook: this platform during a CPU run, else None.
+
+    It stands back for any other out-of-tree platform that activates here: vllm-omni
+    accepts one, and a deployment's own platform is the one production would run.
+    """
+    if os.environ.get(ENV) != "1" or _another_platform():
+        return None
+    return QUALNAME
+
+
+def _another_platform() -> bool:
+    """Whether another ``vllm_omni.platform_plugins`` entry point activates here."""
+    from importlib.metadata import entry_points
+
+    allowed = os.environ.get("VLLM_PLUGINS")
+    names = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
+    for plugin in entry_points(group="vllm_omni.platform_plugins"):
+        if plugin.name == ENTRY_POINT or (names is not None and plugin.name not in names):
+            continue
+        try:
+            if plugin.load()() is not None:
+                return True
+        except Exception:  # a broken detector is vllm-omni's to report, not ours
+            continue
+    return False
 
 
 def _platform_class() -> type:

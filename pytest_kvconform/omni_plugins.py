@@ -31,6 +31,7 @@ from typing import Any
 
 MODES = ("production", "none")
 ENV = "VLLM_PLUGINS"
+CPU_PLATFORM_ENV = "KVCONFORM_CPU_OMNI_PLATFORM"  # omni_cpu_platform.ENV
 IN_TREE = "in-tree"
 BEFORE = "set before kvconform loaded plugins (a conftest, or an import)"
 VLLM_GROUP = "vllm.general_plugins"
@@ -358,6 +359,14 @@ def _load_whole(result: PluginLoad, omni_plugins: Any) -> None:
         result.origins[member] = "load_omni_general_plugins() (per-plugin source unknown)"
 
 
+def _detects(entry_point: Any, qualname: str) -> bool:
+    """Whether a platform plugin's detector names ``qualname`` here (as vllm-omni calls it)."""
+    try:
+        return bool(entry_point.load()() == qualname)
+    except Exception:  # a detector that fails did not activate (vllm-omni's reading too)
+        return False
+
+
 def _resolve_platform(result: PluginLoad, records: list[logging.LogRecord]) -> None:
     """``current_omni_platform`` as production resolves it (platform plugins included)."""
     before = registry_snapshot()
@@ -375,6 +384,8 @@ def _resolve_platform(result: PluginLoad, records: list[logging.LogRecord]) -> N
     eps = [e for e in entry_points(group=PLATFORM_GROUP) if allowed is None or e.name in allowed]
     if activated:
         eps = [e for e in eps if e.name == activated[0]]
+    elif len(eps) > 1:  # resolved before the logs were caught: ask each detector again
+        eps = [e for e in eps if _detects(e, result.platform)] or eps
     if cls.__module__.startswith("vllm_omni.") and not activated:
         result.platform_source = "built-in"
     elif len(eps) == 1:
@@ -389,13 +400,14 @@ def _resolve_platform(result: PluginLoad, records: list[logging.LogRecord]) -> N
 
 
 def set_plugins_env(mode: str) -> tuple[bool, str | None]:
-    """``none``: ``VLLM_PLUGINS=""`` (production's switch) here and in spawned workers.
+    """``none``: ``VLLM_PLUGINS=""`` (production's switch) here and in spawned workers; on a
+    CPU run ``VLLM_PLUGINS=kvconform_cpu``, which loads no general plugin either.
 
     Returns what to hand :func:`restore_plugins_env`.
     """
     saved = (ENV in os.environ, os.environ.get(ENV))
-    if mode == "none":
-        os.environ[ENV] = ""
+    if mode == "none":  # a CPU run keeps the plugin's own CPU platform (run_env.CPU_DEFAULTS)
+        os.environ[ENV] = "kvconform_cpu" if os.environ.get(CPU_PLATFORM_ENV) == "1" else ""
     return saved
 
 

@@ -7,6 +7,8 @@ no test is added.  Everything heavy is imported lazily by :class:`KvSession`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -171,3 +173,29 @@ def kv_workers(request: pytest.FixtureRequest, kv_device: str) -> Any:
     from pytest_kvconform.workers import KvWorkers
 
     return KvWorkers(kv_device, list(kv_session(request.config).gpu_ids))
+
+
+@pytest.fixture(scope="session")
+def kv_deployment(kv_workers: Any) -> Any:
+    """Factory: ``with kv_deployment(backend_or_need, case, boundary=False) as deployed:``.
+
+    Production's engine (control plane, executor, diffusion worker) for a backend (a
+    class, a registry name, or a ``BackendUnderTest``) or an explicit need, on pooled
+    worker processes; ``deployed.report`` is what it did, ``deployed.call(method, rank,
+    *args)`` observes a rank.  Closed when the ``with`` block ends.
+    """
+    from pytest_kvconform.api import backend_under_test
+    from pytest_kvconform.checks.adoption import fixture_deployment
+    from pytest_kvconform.checks.errors import ClauseSkip
+
+    @contextlib.contextmanager
+    def deploy(source: Any, case: Any, boundary: bool = False) -> Iterator[Any]:
+        who = source if isinstance(source, bool) else backend_under_test(source)
+        try:
+            with fixture_deployment(who, case, kv_workers.for_world_size(case.world_size),
+                                    boundary=boundary) as deployed:
+                yield deployed
+        except ClauseSkip as skip:
+            pytest.skip(f"{skip.clause}: {skip.reason}")
+
+    return deploy

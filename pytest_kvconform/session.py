@@ -34,8 +34,8 @@ class KvSession:
         self.fault: str | None = None
         self.device = "cpu"
         self.gpu_ids: list[str] = []
-        self._plugins_env = set_plugins_env(options.plugins)
         self._setup_device()
+        self._plugins_env = set_plugins_env(options.plugins)  # after the CPU platform's env
         self.selection = KvSelection(config, options, self.device, list(xfails or []))
         self.results = KvResults(config, options, self.selection)
         config.pluginmanager.register(self.selection, SELECTION_PLUGIN)

@@ -88,16 +88,20 @@ class Observation:
         config = self._kv_backend().kv_cache_config
         return [name for t in config.kv_cache_tensors for name in t.layers]
 
-    def kvconform_report(self) -> dict[str, Any]:
-        """What this rank holds after ``set_kv_cache_configs``, as plain values."""
+    def kvconform_layer_backends(self) -> dict[str, str | None]:
+        """The class each paged attention layer of the loaded pipeline selected."""
         from vllm_omni.diffusion.attention.layer import Attention
 
-        backend = self._kv_backend()
-        config = backend.kv_cache_config
         pipeline = getattr(self.model_runner, "pipeline", None)
-        layers = {} if pipeline is None else {
+        return {} if pipeline is None else {
             m.prefix: _path(m.attn_backend) for m in pipeline.modules()
             if isinstance(m, Attention) and getattr(m, "paged_kv_cache_role", None)}
+
+    def kvconform_report(self) -> dict[str, Any]:
+        """What this rank holds after ``set_kv_cache_configs``, as plain values."""
+        backend = self._kv_backend()
+        config = backend.kv_cache_config
+        layers = self.kvconform_layer_backends()
         report: dict[str, Any] = {
             **process_identity(), "rank": self.rank,
             "received": None if config is None else config_summary(config),

@@ -849,6 +849,7 @@ class _WorkerState:
         from pytest_kvconform import engine
 
         self.release()
+        fault_seeds.process_fault(message.get("fault"))  # hang / die: the deployment's process
         self.engine = engine.Engine(message["spec"])
         with _visible_devices(message.get("visible_devices")):
             report = self.engine.run(fault=message.get("fault"), control=message.get("control"),

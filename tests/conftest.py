@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import ast
-import os
 import importlib
 import importlib.util
+import os
 import pkgutil
 import warnings
 from collections.abc import Callable, Iterator

@@ -210,11 +210,11 @@ def conftest(workdir: Path, text: str) -> None:
 
 # One run, three worker faults, each followed by a test that must pass on the pool.
 WORKER_FAULTS = {
-    "test_kv_a2[TORCH_SDPA-bf16_h8]": "hang",
+    "test_kv_a2[FLASH_ATTN-bf16_h8]": "hang",
     "test_kv_a2_seam[need_True-bf16_h8]": "die",
     "test_kv_a3_seam[need_False-bf16_h8]": "oom",
 }
-WORKER_FAULTS_SELECT = ("--kv-backend", "TORCH_SDPA", "-k", "(kv_a2 or kv_a3) and bf16_h8")
+WORKER_FAULTS_SELECT = ("--kv-backend", "FLASH_ATTN", "-k", "(kv_a2 or kv_a3) and bf16_h8")
 
 
 def worker_faults(workdir: Path, timeout_s: float = 15.0) -> Outcome:
@@ -241,12 +241,12 @@ def killed(workdir: Path, *, xdist: bool, sig: int) -> Outcome:
     """Ctrl-C (SIGINT to the process group) or SIGKILL of pytest / the xdist controller,
     while KV-A workers hang mid-command (and, with ``xdist``, two xdist workers live).
 
-    Before the hang, ``test_kv_a2[TORCH_SDPA-bf16_h8]`` finishes (serially), so an
+    Before the hang, ``test_kv_a2[FLASH_ATTN-bf16_h8]`` finishes (serially), so an
     interrupted run has a result to report.
     """
     hang = {"need_True": "hang"} if not xdist else {"seam": "hang"}
     conftest(workdir, FAULT_BY_TEST.format(faults=hang))
-    args = ["--kv-backend", "TORCH_SDPA", "-k", "kv_a2 and bf16_h8", "--kv-timeout", "600"]
+    args = ["--kv-backend", "FLASH_ATTN", "-k", "kv_a2 and bf16_h8", "--kv-timeout", "600"]
     if xdist:
         args += ["-n", "2"]
     if sig == signal.SIGINT:

@@ -79,12 +79,16 @@ BACKEND_REPO = {
 
 
         class HookBackend(SDPABackend):
+            supports_paged_kv = True  # production's worker serves paged KV with it
+
             @classmethod
             def get_name(cls) -> str:
                 return "MY_HOOK_ATTN"
 
 
         class EntryPointBackend(SDPABackend):
+            supports_paged_kv = True
+
             @classmethod
             def get_name(cls) -> str:
                 return "MY_EP_ATTN"

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvconform import seam_backends
 from tests import standin_backends as sb
 from tests.conftest import needs_omni
 from tests.seeding import Seeder, backend_args, expect_run, register_backends
@@ -109,18 +110,27 @@ def test_l5_silent_assertion_fails(kv_run, seed: Seeder) -> None:
 def test_l6_block_stride_backend_fails_on_the_control_plane(kv_run,
                                                             pytester: pytest.Pytester) -> None:
     """The True branches of L3-L5 hold; only the production wiring drops the flag."""
-    register_backends(pytester, {"FAKE_BS": sb.NeedsBlockStride})
+    register_backends(pytester, {"FAKE_BS": seam_backends.NeedTrue})  # paged, needs True
     result = kv_run("-k", "(kv_l3 or kv_l4 or kv_l5 or kv_l6) and not seam",
                     "--kv-backend", "FAKE_BS")
     expect_run(result, failed=1, passed=3, clauses=["KV-L6"], lines=[
         "*KV-L6 violated*FAKE_BS*the control plane never receives indexes_kv_by_block_stride;"
-        " pinned LBNHC for a backend that needs a block-outermost layout*",
+        " pinned LBNHC for a backend that needs a block-outermost layout*; production's worker"
+        " then allocated LBNHC without complaint*",
         "*expected: 'a block-outermost layout'*", "*actual:   'LBNHC'*"])
 
 
 def test_l3_to_l6_pass_unpatched(kv_run) -> None:
-    result = kv_run("-k", "(kv_l3 or kv_l4 or kv_l5 or kv_l6) and not seam", *SDPA)
+    result = kv_run("-k", "(kv_l3 or kv_l4 or kv_l5 or kv_l6) and not seam",
+                    "--kv-backend", "FLASH_ATTN")
     result.assert_outcomes(passed=4)
+
+
+def test_l6_does_not_apply_to_a_backend_production_serves_no_paged_kv_with(kv_run) -> None:
+    result = kv_run("-rs", "-k", "kv_l6 and not seam", *SDPA)
+    expect_run(result, skipped=1, lines=[
+        "*KV-L6: TORCH_SDPA has no paged KV support (supports_paged_kv is not True): "
+        "production serves no paged model with it*register_kv_cache_layers*"])
 
 
 def test_l6_seam_reports_the_wiring_gap_for_need_true_only(kv_run) -> None:

@@ -67,24 +67,26 @@ from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
 
 
 class BlockStrideSage(SageAttentionBackend):
+    supports_paged_kv = True
+
     @classmethod
     def indexes_kv_by_block_stride(cls):
         return True
 
 
 class ParentOnlySDPA(SDPABackend):
-    pass
+    supports_paged_kv = True
 
 
 class OotPlatformAttention(SDPABackend):
-    pass
+    supports_paged_kv = True
 '''
 # Its own module: a platform is resolved while backend modules import (they ask for it).
 PLATFORM = '''
-from vllm_omni.platforms.interface import UnspecifiedOmniPlatform
+from pytest_kvconform.omni_cpu_platform import CpuOmniPlatform
 
 
-class OotPlatform(UnspecifiedOmniPlatform):
+class OotPlatform(CpuOmniPlatform):  # an out-of-tree CPU platform (production's worker runs)
     @classmethod
     def get_diffusion_attn_backend_cls(cls, selected_backend, head_size,
                                        allow_trtllm_default=False):
@@ -183,26 +185,32 @@ def test_override_is_checked_in_every_process(with_plugin: pytest.Pytester) -> N
     # the seeded fault: the KV-A worker resolves another class than the test process
     status, reason = got["test_kv_a2[TORCH_SDPA-bf16_h8]"]
     assert status == "failed", out[-3000:]
-    assert (f"worker process resolves backend TORCH_SDPA to {IN_TREE_SDPA}, the test process "
-            f"to {PARENT_ONLY}") in reason, reason
+    assert (f"production's worker built its attention layers with ['{IN_TREE_SDPA}'], not the "
+            f"class the test process checked ({PARENT_ONLY})") in reason, reason
 
 
 @needs_omni
 def test_plugins_none_checks_in_tree_classes(with_plugin: pytest.Pytester) -> None:
     """--kv-plugins=none: in-tree classes, here and in the KV-A worker; the report says so."""
     result, report = _run(with_plugin, "--kv-plugins", "none", "--kv-backend", "SAGE_ATTN",
+                          "--kv-backend", "FLASH_ATTN",
                           "-k", "(kv_l6 or kv_a2) and not seam and not ws2", "-p", "no:xdist")
     result.stdout.fnmatch_lines_random([
-        "kvconform: plugins: none (VLLM_PLUGINS ''); loaded: -*",
+        "kvconform: plugins: none (VLLM_PLUGINS 'kvconform_cpu'); loaded: -*",
         "kvconform: plugins not loaded (VLLM_PLUGINS): *, oot_kvplugin, *",
         "kvconform: override: none (every registry member is its in-tree class)",
     ])
-    sage = report["backends"][0]
+    sage = next(b for b in report["backends"] if b["name"] == "SAGE_ATTN")
     assert (sage["path"], sage["overridden"], sage["origin"]) == (IN_TREE_SAGE, False, "in-tree")
     assert report["environment"]["options"]["plugins"] == "none"
     assert report["environment"]["plugins"]["mode"] == "none"
-    # the in-tree class declares False: KV-L6 holds; the worker agrees (it loaded none either)
-    assert {s for s, _ in _statuses(report).values()} == {"passed"}, result.stdout.str()[-3000:]
+    # the in-tree SAGE class serves no paged KV (production refuses it); FLASH_ATTN's worker
+    # is production's, with the in-tree class (it loaded no plugin either)
+    got = _statuses(report)
+    for test in ("test_kv_l6[SAGE_ATTN]", "test_kv_a2[SAGE_ATTN-bf16_h8]"):
+        assert got[test][0] == "skipped" and "no paged KV support" in got[test][1], got[test]
+    for test in ("test_kv_l6[FLASH_ATTN]", "test_kv_a2[FLASH_ATTN-bf16_h8]"):
+        assert got[test][0] == "passed", result.stdout.str()[-3000:]
     assert result.ret == pytest.ExitCode.OK
 
 
@@ -244,27 +252,23 @@ def test_load_group_records_sources_and_failures(pytester: pytest.Pytester,
 
 
 def test_worker_disagreement_is_a_clause_failure() -> None:
-    """KV-A's class check names both paths; a stand-in need is never compared."""
+    """KV-A's class check names both paths, from the layers production's worker built."""
     from pytest_kvconform.checks import adoption
     from pytest_kvconform.checks.errors import ClauseFailure
-    from pytest_kvconform.model import BackendUnderTest, Case
+    from pytest_kvconform.engine import EngineReport
+    from pytest_kvconform.model import Case
 
-    class Handle:
-        def resolve_backend(self, name: str, source: str) -> dict[str, Any]:
-            return {"path": "in.tree.Cls", "error": None,
-                    "plugins": {"overrides": {}, "failed": ["p: RuntimeError: x"]}}
-
-    backend = BackendUnderTest("SAGE_ATTN", "oot.Cls", "registry", True, cls=object,
-                               origin="distribution oot 1")
-    run = adoption._Run("KV-A2", "SAGE_ATTN", Case(id="c", file="f"), need=False)
-    with pytest.raises(ClauseFailure, match=re.escape("resolves backend SAGE_ATTN to "
-                                                      "in.tree.Cls, the test process to "
-                                                      "oot.Cls")) as info:
-        adoption._same_backend_class(run, backend, [Handle()])  # type: ignore[list-item]
-    assert "p: RuntimeError: x" in str(info.value)
-    adoption._same_backend_class(run, True, [Handle()])  # type: ignore[list-item]
-    agree = BackendUnderTest("SAGE_ATTN", "in.tree.Cls", "registry", cls=object)
-    adoption._same_backend_class(run, agree, [Handle()])  # type: ignore[list-item]
+    run = adoption.Run("KV-A2", "SAGE_ATTN", Case(id="c", file="f"), need=False,
+                       name="SAGE_ATTN", path="oot.Cls")
+    report = EngineReport(via="", layer_backends=[{"model.layers.0.attn": "in.tree.Cls"}],
+                          error={"type": "ValueError", "message": "x", "stage": "control plane",
+                                 "where": "w"})
+    with pytest.raises(ClauseFailure, match=re.escape(
+            "rank 0: production's worker built its attention layers with ['in.tree.Cls'], not "
+            "the class the test process checked (oot.Cls)")):
+        adoption.ran(run, report)
+    agree = EngineReport(via="", layer_backends=[{"model.layers.0.attn": "oot.Cls"}])
+    adoption.ran(run, agree)
 
 
 def test_report_carries_origins_and_plugin_outcomes() -> None:

@@ -1,4 +1,4 @@
-"""Issue 12: KV-A workers started before collection, and dropped when nothing uses them."""
+"""KV-A workers started before collection, and dropped when nothing uses them."""
 
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ class _Config:
     ("kv_a3 and not seam", True),
     ("test_kv_a3 and TORCH_SDPA and perf_00", True),
     ("TORCH_SDPA", True),
-    ("kv_l", False),
+    ("kv_l", True),  # KV-L6 runs production's engine in a worker
+    ("kv_l1 or kv_l2", False),
     ("kv_s or kv_n", False),
-    ("kv_a1", False),  # KV-A1 runs in this process: no worker
+    ("kv_a1", True),  # production's control plane collects specs from its workers
 ])
 def test_may_select_adoption(keyword: str, expected: bool) -> None:
     config = _Config(keyword=keyword, dist="no")

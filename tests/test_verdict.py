@@ -384,13 +384,13 @@ def test_plugin_bug_is_an_error_never_a_failure(pytester: pytest.Pytester, kv_ru
 # Kill the rank-0 worker before adoption; the harness must call it worker-died.
 WORKER_KILL = '''
 
-import pytest_kvconform.checks.adoption as _adoption
+import pytest_kvconform.deployment as _deployment
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
 
-_BROADCAST = _adoption.broadcast_adopt
+_START = _deployment.start
 
 
-def _killed(handles, frames, **kwargs):
+def _killed(spec, handles, **kwargs):
     try:
         handles[0].request("crash", text="seeded: worker killed", code=9)
     except HarnessError:
@@ -401,11 +401,11 @@ def _killed(handles, frames, **kwargs):
 
 
 def pytest_configure(config):
-    _adoption.broadcast_adopt = _killed
+    _deployment.start = _killed
 
 
 def pytest_unconfigure(config):
-    _adoption.broadcast_adopt = _BROADCAST
+    _deployment.start = _START
 '''
 
 

@@ -44,7 +44,7 @@ from pytest_kvconform.devices import Unplaceable
 from pytest_kvconform.engine import EngineReport, EngineSpec
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.worker_extension import config_summary, page_pattern
-from pytest_kvconform.workers import WorkerError, WorkerHandle
+from pytest_kvconform.workers import WorkerCommandError, WorkerError, WorkerHandle
 
 Source = BackendUnderTest | bool  # a backend (its declared need) or an explicit need
 Workers = Sequence[WorkerHandle] | Unplaceable  # one worker per rank, or why there are none
@@ -76,7 +76,7 @@ def _run(clause: str, source: Source, case: Case) -> Run:
         return Run(clause, f"need={source}", case, need=source, name=f"need_{source}",
                     path=seam_backends.path(source), seam=True)
     run = Run(clause, source.name, case, need=declared_need(clause, source),
-               name=source.name, path=source.path)
+               name=source.name, path=engine.dotted(source.path))
     if not getattr(source.cls, "supports_paged_kv", False):
         raise run.skip(f"{source.name} has no paged KV support (supports_paged_kv is not True): "
                        f"production's worker refuses to serve paged KV with it ({REFUSAL} "
@@ -99,6 +99,22 @@ def fixture_control_plane(source: Source, case: Case, *, world_size: int | None 
     need = source if isinstance(source, bool) else declared_need(FIXTURE_CLAUSE, source)
     with unsupported_as_skip(FIXTURE_CLAUSE):
         return build_control_plane(need, case, world_size=world_size, device=device)
+
+
+# The public ``kv_deployment`` fixture stands up what KV-A3 checks.
+DEPLOYMENT_CLAUSE = "KV-A3"
+
+
+def fixture_deployment(source: Source, case: Case, workers: Workers, *,
+                       boundary: bool = False) -> Any:
+    """The ``kv_deployment`` fixture's work: production's engine for a backend or a need.
+
+    A context manager yielding the deployment (``.report``, ``.call``); a backend
+    production serves no paged KV with, or too few devices, is a skip naming
+    :data:`DEPLOYMENT_CLAUSE`.
+    """
+    run = _run(DEPLOYMENT_CLAUSE, source, case)
+    return deploy(run, _ranks(run, workers), topology=_topology(case, boundary=boundary))
 
 
 def _ranks(run: Run, workers: Workers) -> list[WorkerHandle]:
@@ -132,8 +148,10 @@ def deploy(run: Run, handles: Sequence[WorkerHandle], *, topology: str,
         raise exc.skip(run.clause) from None
     except HarnessError as exc:
         raise run.harness(exc, f"running production's deployment ({topology})") from exc
-    except WorkerError as exc:
-        raise run.fail(f"the deployment could not run: {exc}") from exc
+    except WorkerCommandError as exc:  # a rank's worker could not start
+        raise run.fail("production's diffusion worker could not start for this backend: "
+                       f"{_production_error(exc.remote)}" if exc.remote else
+                       f"the deployment could not run: {exc}") from exc
     try:
         note_via(deployed.report.via)
         yield deployed
@@ -154,6 +172,7 @@ def ran(run: Run, report: EngineReport) -> None:
     error = report.error
     if error is None:
         return
+    _same_class(run, report)  # a worker that built the layers with another class says most
     if error["stage"] == "worker start-up":
         raise run.fail("production's diffusion worker could not start for this backend: "
                        f"{_production_error(error)}", layout=report.pinned)
@@ -164,16 +183,22 @@ def ran(run: Run, report: EngineReport) -> None:
                    layout=report.pinned)
 
 
+def _same_class(run: Run, report: EngineReport) -> None:
+    """Each rank's worker process, having loaded its plugins as production's do, built its
+    layers with the class the test process checked."""
+    for rank, layers in enumerate(report.layer_backends):
+        backends = sorted({str(path) for path in layers.values()})
+        if backends and backends != [run.path]:
+            raise run.fail(f"rank {rank}: production's worker built its attention layers with "
+                           f"{backends}, not the class the test process checked ({run.path}); "
+                           "production would run a class nobody checked",
+                           expected=run.path, actual=backends)
+
+
 def _served(run: Run, report: EngineReport) -> None:
     """Each rank's worker built its layers with the class under test, and registered the
     case's geometry (else the deployment would test something else)."""
-    for rank, seen in enumerate(report.ranks):
-        backends = set(seen["layer_backends"].values())
-        if backends != {run.path}:
-            raise run.fail(f"rank {rank}: production's worker built its attention layers with "
-                           f"{sorted(backends)}, not the class the test process checked "
-                           f"({run.path}); production would run a class nobody checked",
-                           expected=run.path, actual=sorted(backends))
+    _same_class(run, report)
     for rank, specs in enumerate(report.specs):
         for layer, spec in specs.items():
             case = run.the_case

@@ -309,7 +309,7 @@ def check_kv_l6(backend: BackendUnderTest, workers: Any) -> None:
     if isinstance(workers, Unplaceable):
         raise where.skip(workers.reason, SkipKind.HARDWARE)
     run = adoption.Run(clause, backend.name, _PROBE_CASE, need=need, name=backend.name,
-                       path=backend.path)
+                       path=engine.dotted(backend.path))
     with adoption.deploy(run, workers, topology=engine.UNI) as deployed:
         report = deployed.report
     if report.error is not None and not report.rank_configs:
