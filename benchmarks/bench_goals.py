@@ -11,7 +11,7 @@ Run in the default environment:  python benchmarks/bench_goals.py [--label L] [-
 - ``worker_start``: one pooled KV-A worker, from nothing to ready (``WorkerPool.get``: a
   spawned worker's imports, or the fork server's imports and a fork); ``worker_next``: a
   second one once the first is ready (another spawn's imports, or just a fork);
-- ``adopt_1`` / ``adopt_40``: ``-k "test_kv_a3 and TORCH_SDPA and perf_..."`` with a case file
+- ``adopt_1`` / ``adopt_40``: ``-k "test_kv_a3 and FLASH_ATTN and perf_..."`` with a case file
   of 40 world-size-1 cases (``perf_cases_plugin`` adds them to KV-A's cases), selecting 1
   and all 40; the marginal case is their difference / 39;
 - ``off`` / ``no_plugin``: collecting 200 trivial tests with the plugin installed but off, and
@@ -153,8 +153,8 @@ def main() -> int:
                   flush=True)
         cases = cases_file(tmp)
         adopt = [*suite, "-p", "perf_cases_plugin", "--kv-cases", cases, "-k"]
-        a1 = measure("adopt_1", [*adopt, "test_kv_a3 and TORCH_SDPA and perf_00"], tmp)
-        a40 = measure("adopt_40", [*adopt, "test_kv_a3 and TORCH_SDPA and perf_"], tmp)
+        a1 = measure("adopt_1", [*adopt, "test_kv_a3 and FLASH_ATTN and perf_00"], tmp)
+        a40 = measure("adopt_40", [*adopt, "test_kv_a3 and FLASH_ATTN and perf_"], tmp)
         trivial = trivial_tests(tmp)
         off_t: list[tuple[float, float]] = []
         none_t: list[tuple[float, float]] = []

@@ -85,7 +85,7 @@ ENTRY_MODULES = (
     "vllm_omni.diffusion.vllm_config", "vllm.distributed.device_communicators.shm_broadcast",
     "vllm.v1.worker.gpu.attn_utils", "xdist.plugin",
 )
-TRACE_SELECTION = ("kv_l7 or kv_a6 or kv_a3 or kv_l1")
+TRACE_SELECTION = ("kv_l7 or kv_a or kv_l1")
 TRACE_BACKENDS = ("PAGED_OK", "PAGED_OK_BS", "FLASH_ATTN", "TORCH_SDPA")
 PLUGIN_FILES = ("pytest_kvconform", "conformance_cases", "tests/__init__.py",
                 "tests/paged_standins.py", "tools/gpu_checks.sh", "pyproject.toml")

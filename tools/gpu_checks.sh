@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # The GPU-only checks in one go, on a host with CUDA, with or without vLLM installed:
+#   0. KV-A1..A5 on CUDA through production's worker path (uniproc at world size 1, the
+#      multiproc topology at world size 2 where there are 2 GPUs; each result names the
+#      production entry point it went through): FLASH_ATTN and the seam stand-ins;
 #   1. KV-A6 (free-memory-sized allocation probed past 2^31 and 2^32 bytes) must pass;
 #   2. KV-L7 (the paged read path) on CUDA: the conforming stand-in paged backends
 #      (tests/paged_standins.py) must pass, each seeded misread must fail naming the first
@@ -14,7 +17,7 @@
 #   KVCONFORM_BUNDLE=DIR  a bundle from tools/build_gpu_bundle.py: a host without vLLM;
 #                         its wheels and vLLM / vllm-omni sources are unpacked under OUT/env
 #   KVCONFORM_GPU_ARGS    extra pytest options, e.g. "--kv-memory-fraction 0.3"
-#   KVCONFORM_A6_BACKENDS backends for KV-A6 (default TORCH_SDPA; the seam runs too)
+#   KVCONFORM_A6_BACKENDS backends for KV-A (default FLASH_ATTN; the seams run too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$PWD"
@@ -68,14 +71,14 @@ EOF
 
 # 1-2. KV-A6 and KV-L7 -------------------------------------------------------------------
 a6=()
-for b in ${KVCONFORM_A6_BACKENDS:-TORCH_SDPA}; do a6+=(--kv-backend "$b"); done
+for b in ${KVCONFORM_A6_BACKENDS:-FLASH_ATTN}; do a6+=(--kv-backend "$b"); done
 l7=()
 for b in FLASH_ATTN PAGED_OK PAGED_OK_BS PAGED_NO_TABLE PAGED_BAD_STRIDE PAGED_TRUNCATES; do
     l7+=(--kv-backend "$b")
 done
 t=$(date +%s)
 "$py" -m pytest ${plugin[@]+"${plugin[@]}"} -p tests.paged_standins --kv-conformance -p no:cacheprovider \
-    -p no:xdist -q -rs -k "(kv_a6 and not PAGED_) or kv_l7" "${a6[@]}" "${l7[@]}" \
+    -p no:xdist -q -rs -k "(kv_a and not PAGED_) or kv_l7" "${a6[@]}" "${l7[@]}" \
     --kv-report "$out/gpu.json" ${extra[@]+"${extra[@]}"} > "$out/gpu.log" 2>&1 || true
 echo "$(( $(date +%s) - t ))" > "$out/gpu.seconds"
 tail -25 "$out/gpu.log"
@@ -93,7 +96,7 @@ free = compat.device_free_memory("cuda:0")
 cp = build_control_plane(False, case, device="cuda:0", available_memory=[int(free * fraction)])
 config = cp.rank_configs[0]
 tensor = config.kv_cache_tensors[0]
-geom = adoption._geometry(case, config, len(tensor.layers))
+geom = adoption._geometry(config, len(tensor.layers))
 pages = adoption._far_pages(cp.pinned, geom, tensor.offset)
 probes = [{"layer": l, "block": b,
            "byte_offset": oracle.page_start(cp.pinned, geom, l, b, tensor.offset)}

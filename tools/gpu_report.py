@@ -2,7 +2,9 @@
 
     python tools/gpu_report.py OUT NGPU WALL_SECONDS
 
-Exit 0 when KV-A6 passed, the conforming stand-ins passed KV-L7 on CUDA, each seeded
+Exit 0 when KV-A1..A5 ran on CUDA without a harness error (each result names the production
+entry point it went through; failures are the suite's findings), KV-A6 passed, the
+conforming stand-ins passed KV-L7 on CUDA, each seeded
 misread failed naming its first wrong block, FLASH_ATTN passed (or, where vLLM's compiled
 kernels are absent, was skipped for them), and -n auto pinned one distinct GPU per worker.
 """
@@ -68,7 +70,11 @@ def main(out: Path, ngpu: int, wall: str) -> int:
     gpus = [v.split()[0] for v in seen.values()]
     pin_ok = len(seen) == ngpu and len(set(gpus)) == len(gpus)
     imports_ok = all(str(v).startswith("ok") for k, v in env.items() if k.startswith("import"))
+    adoption = [r for r in gpu if r["clause"] in ("KV-A1", "KV-A2", "KV-A3", "KV-A4", "KV-A5")]
+    a_bad = [r for r in adoption if r["status"] in ("error",)]
     checks = [("vLLM / vllm-omni import on this torch", imports_ok),
+              (f"KV-A1..A5 on CUDA ({len(adoption)} results, {len(a_bad)} errors)",
+               bool(adoption) and not a_bad),
               (f"KV-A6 ({len(a6_results)} results, {len(a6_bad)} not passed)",
                bool(a6_results) and not a6_bad),
               (f"KV-L7 ({len(l7)} results)", l7_ok),
@@ -93,6 +99,11 @@ def main(out: Path, ngpu: int, wall: str) -> int:
                   f"{a6['past_2_31']}, past 2^32: {a6['past_2_32']}", "",
                   "| layer | block | page byte offset |", "|---|---|---|"]
         lines += [f"| {p['layer']} | {p['block']} | {p['byte_offset']} |" for p in a6["probes"]]
+    lines += ["", "## KV-A on CUDA: production's worker path", ""]
+    lines += [f"- via {via}" for via in sorted({str(r.get("via")) for r in adoption})]
+    lines += ["", "| test | status | reason |", "|---|---|---|"]
+    lines += [f"| {r['nodeid'].split('::')[-1]} | {r['status']} | "
+              f"{(r.get('reason') or '')[:300].replace('|', '/')} |" for r in adoption]
     lines += ["", "## KV-A6 results", "", "| test | status | s |", "|---|---|---|"]
     lines += [f"| {r['nodeid'].split('::')[-1]} | {r['status']} | {r['duration_s']} |"
               for r in a6_results]
