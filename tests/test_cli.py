@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvconform import CONTRACT_VERSION
 from pytest_kvconform import report as rp
 from pytest_kvconform.cli import main
 from tests.report_rows import backend_record, build, environment, row
@@ -142,7 +143,7 @@ def test_merge_refuses_different_contract(
     other_path = dump(tmp_path / "old.json", other)
     assert main(["merge", str(cpu), str(other_path)]) == 2
     err = capsys.readouterr().err
-    assert f"{cpu} has contract '1' but {other_path} has '0'" in err
+    assert f"{cpu} has contract '{CONTRACT_VERSION}' but {other_path} has '0'" in err
 
 
 def test_merge_refuses_invalid_report(

@@ -32,7 +32,7 @@ def pytest_sessionfinish(session):
         "server": forkserver.pid(), "attached": forkserver.attached()}))
 '''
 ARGS = ("--kv-conformance", "-p", "no:cacheprovider", "-p", "no:randomly", "-n", "2",
-        "--kv-backend", "TORCH_SDPA")
+        "--kv-backend", "FLASH_ATTN")
 
 
 def _seen(pytester: pytest.Pytester, who: str) -> dict[str, object]:
@@ -55,7 +55,7 @@ def test_xdist_workers_share_one_fork_server_and_the_controller_imports_nothing(
     # discovery happened in the workers; the controller reports theirs
     result.stdout.fnmatch_lines(["kvconform: backends: discovered by each xdist worker*",
                                  "kvconform: 1 backends (1 importable) discovered by the "
-                                 "xdist workers in *s: TORCH_SDPA"])
+                                 "xdist workers in *s: FLASH_ATTN"])
 
 
 @needs_omni
