@@ -31,6 +31,8 @@ DTYPE_SIZES: dict[str, int] = {
 
 # user_properties key carrying a ClauseSkip's kind from the test to the report.
 SKIP_KIND_PROPERTY = "kv_skip_kind"
+# user_properties key naming the seeded worker fault a test's KV-A workers ran under.
+SEEDED_FAULT_PROPERTY = "kv_seeded_fault"
 
 
 def installed_version(dist: str) -> str | None:
@@ -116,6 +118,7 @@ class ResultRow:
     skip_kind: str | None  # a ClauseSkip's kind (SKIP_KIND_PROPERTY)
     xfail: str | None  # the describe() of the expected-failure entry that matched
     error_kind: str | None  # an ErrorKind value, for error and xfailed rows only
+    seeded_fault: str | None = None  # the seeded worker fault its KV-A workers ran under
 
     def as_dict(self) -> dict[str, Any]:
         """The row as the report and its JSON hold it (keys in field order)."""
