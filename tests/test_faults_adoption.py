@@ -82,6 +82,27 @@ def test_pattern_at_a_wrong_offset_fails_kv_a3(seed: Seeder, kv_run) -> None:
         "byte 0)*", "*expected: '0x*", "*actual:   '0x0'*"])
 
 
+def test_a_seeded_fault_is_in_the_report_and_in_each_result_it_touched(
+        seed: Seeder, kv_run: Any, pytester: pytest.Pytester) -> None:
+    """Outside strict mode the run goes on: the report names the fault, and the results
+    whose workers ran under it, so KV-A3's failure does not read as TORCH_SDPA's own."""
+    import json
+
+    seed.worker_fault("wrong_offset")
+    result = kv_run(*SDPA, "-k", "(kv_a3 and bf16_h8 and not seam) or kv_l1", "--kv-report",
+                    "r.json")
+    expect_run(result, passed=1, failed=1, clauses=["KV-A3"])
+    result.stdout.fnmatch_lines(["*kvconform: verdict: not qualified (*seeded worker fault "
+                                 "wrong_offset in 1 result(s)*"])
+    report = json.loads((pytester.path / "r.json").read_text())
+    assert report["environment"]["seeded_faults"] == ["wrong_offset"]
+    faults = {r["clause"]: (r["status"], r["seeded_fault"]) for r in report["results"]}
+    assert faults == {"KV-A3": ("failed", "wrong_offset"), "KV-L1": ("passed", None)}
+    markdown = (pytester.path / "r.md").read_text()
+    assert "| seeded worker fault | wrong_offset ($KVCONFORM_WORKER_FAULT) |" in markdown
+    assert "fail (under the seeded worker fault wrong_offset): KV-A3 violated" in markdown
+
+
 def test_control_plane_that_forgets_to_stamp_fails_kv_a1(seed: Seeder, kv_run) -> None:
     _control_plane_fault(seed, forgets_to_stamp)
     result = kv_run(*SDPA, "-k", "kv_a1")
