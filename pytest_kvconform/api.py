@@ -27,7 +27,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pytest_kvconform import budget, run_env
@@ -55,7 +55,9 @@ class CheckResult:
     ``backend`` is None for the clauses that do not depend on the backend
     (KV-S, KV-N: they check the installed vLLM / vllm-omni code), and
     ``need_False`` / ``need_True`` for the control plane's seam variants.
-    ``test`` is the id the pytest suite gives the same run.
+    ``test`` is the id the pytest suite gives the same run.  ``seeded_fault`` names
+    the seeded worker fault (``$KVCONFORM_WORKER_FAULT``) its KV-A workers ran under:
+    such a result speaks for the fault, not the backend, and is never ``ok``.
     """
 
     clause: str
@@ -69,10 +71,14 @@ class CheckResult:
     test: str = ""
     duration_s: float = 0.0
     via: str | None = None  # the production entry point a KV-A check drove
+    seeded_fault: str | None = None
 
     @property
     def ok(self) -> bool:
-        """Passed, or skipped for a reason strict qualification forgives this clause."""
+        """Passed, or skipped for a reason strict qualification forgives this clause; never
+        under a seeded worker fault."""
+        if self.seeded_fault is not None:
+            return False
         return self.status == "passed" or (
             self.status == "skipped" and clauses_mod.skip_forgiven(self.clause, self.skip_kind))
 
@@ -312,6 +318,22 @@ def _arguments(run: _Run, device: str, kv_workers: Any, memory_fraction: float) 
 
 
 def _execute(run: _Run, device: str, kv_workers: Any, memory_fraction: float) -> CheckResult:
+    """One run as a result; a run whose KV-A workers got a seeded fault says so."""
+    from pytest_kvconform import workers
+
+    before = workers.faulted_commands()
+    result = _execute_check(run, device, kv_workers, memory_fraction)
+    faults = workers.faults_since(before)
+    if not faults:
+        return result
+    note = (f"(ran under the seeded worker fault {faults[-1]!r}, ${workers.FAULT_ENV}: this "
+            "result speaks for the fault, not the backend)")
+    return replace(result, seeded_fault=faults[-1],
+                               message=f"{result.message} {note}".strip())
+
+
+def _execute_check(run: _Run, device: str, kv_workers: Any,
+                   memory_fraction: float) -> CheckResult:
     started = time.monotonic()
     skip_kind: SkipKind | None = None
     error_kind: ErrorKind | None = None

@@ -33,6 +33,8 @@ DTYPE_SIZES: dict[str, int] = {
 SKIP_KIND_PROPERTY = "kv_skip_kind"
 # user_properties key carrying the production entry point a KV-A check drove (``via``).
 VIA_PROPERTY = "kv_via"
+# user_properties key naming the seeded worker fault a test's KV-A workers ran under.
+SEEDED_FAULT_PROPERTY = "kv_seeded_fault"
 
 
 def installed_version(dist: str) -> str | None:
@@ -119,6 +121,7 @@ class ResultRow:
     xfail: str | None  # the describe() of the expected-failure entry that matched
     error_kind: str | None  # an ErrorKind value, for error and xfailed rows only
     via: str | None = None  # the production entry point a KV-A check drove (VIA_PROPERTY)
+    seeded_fault: str | None = None  # the seeded worker fault its KV-A workers ran under
 
     def as_dict(self) -> dict[str, Any]:
         """The row as the report and its JSON hold it (keys in field order)."""

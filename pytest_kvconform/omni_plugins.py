@@ -8,9 +8,14 @@ each filtered by ``VLLM_PLUGINS``.  Out-of-tree packages re-point registry membe
 production would run.  The installed production functions do the work (the
 group loaders, found by feature detection); only the loop that calls each hook
 is ours, so a snapshot of the registry before and after each hook says which
-distribution and entry point put an override there, and a hook that raises is
-recorded instead of ending the run.  ``current_omni_platform`` is then resolved
-(platform plugins included), as production resolves it.
+distribution and entry point put an override there.  The two failures production
+tells apart stay apart: a plugin that fails to *import* is logged and skipped by
+production's loader, and so here; a hook that *raises* stops a production process
+at start-up (the loaders call hooks unguarded), so here it is recorded
+(``hook-failed``), its registry changes are undone, and the run goes on to check
+the deployment without it, while the verdict names it as what keeps production from
+starting (``report_verdict.startup_failures``).  ``current_omni_platform`` is then
+resolved (platform plugins included), as production resolves it.
 
 Once per process, like production's own ``*_plugins_loaded`` flags; the test
 process, each xdist worker and each spawned KV-A worker call :func:`load_plugins`.
@@ -108,9 +113,15 @@ class PluginLoad:
             lines.append("kvconform: override: none (every registry member is its in-tree "
                          "class)")
         for p in self.failed:
-            what = "failed to load" if p.status == "load-failed" else "hook raised"
-            lines.append(f"kvconform: WARNING: plugin {p.name} ({p.group}, {p.dist or '?'}) "
-                         f"{what}: {p.error}; the run goes on without it")
+            who = f"plugin {p.name} ({p.group}, {p.dist or 'no distribution'})"
+            if p.status == "load-failed":
+                lines.append(f"kvconform: WARNING: {who} failed to load: {p.error}; production "
+                             "logs this and starts without it, and so does the run")
+            else:
+                lines.append(f"kvconform: ERROR: {who} hook raised: {p.error}; production's "
+                             "loader calls it unguarded, so a server with it installed fails "
+                             "at start-up: the run is not qualified (it checks the deployment "
+                             "without this plugin)")
         lines += [f"kvconform: note: plugins: {note}" for note in self.notes]
         return lines
 
@@ -250,14 +261,35 @@ def _load_group(result: PluginLoad, group: str,
             result.plugins.append(replace(record, status="load-failed", error=error))
             continue
         before = registry_snapshot()
+        saved = overridden_members()
         try:
             hooks[ep.name]()
         except (Exception, SystemExit) as exc:
-            record = replace(record, status="hook-failed", error=describe_error(exc))
+            error = describe_error(exc)
+            partial = _changed(before, registry_snapshot())
+            if partial:
+                _restore_overrides(saved)
+                error += f" (it had re-pointed {', '.join(partial)}: undone)"
+            record = replace(record, status="hook-failed", error=error)
         changed = _changed(before, registry_snapshot())
         for member in changed:
             result.origins[member] = record.origin
         result.plugins.append(replace(record, changed=changed))
+
+
+def _restore_overrides(saved: dict[str, str]) -> None:
+    """Put the registry's overrides back as they were (``overridden_members()``): what a
+    hook changed before it raised is not what production would run."""
+    from vllm_omni.diffusion.attention.backends.registry import (
+        DiffusionAttentionBackendEnum,
+        register_diffusion_backend,
+    )
+
+    for member in DiffusionAttentionBackendEnum:
+        if member.name in saved:
+            register_diffusion_backend(member, saved[member.name])
+        else:
+            member.clear_override()
 
 
 def _reload_error(ep: EntryPoint) -> str:
@@ -350,11 +382,17 @@ def _load_whole(result: PluginLoad, omni_plugins: Any) -> None:
         return
     result.loader = "vllm_omni.plugins.load_omni_general_plugins"
     before = registry_snapshot()
+    saved = overridden_members()
     try:
         load()
     except Exception as exc:
+        error = describe_error(exc)
+        partial = _changed(before, registry_snapshot())
+        if partial:
+            _restore_overrides(saved)
+            error += f" (the plugins had re-pointed {', '.join(partial)}: undone)"
         result.plugins.append(PluginRecord(OMNI_GROUP, "load_omni_general_plugins", "", None,
-                                           "hook-failed", describe_error(exc)))
+                                           "hook-failed", error))
     for member in _changed(before, registry_snapshot()):
         result.origins[member] = "load_omni_general_plugins() (per-plugin source unknown)"
 

@@ -57,17 +57,36 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     config.addinivalue_line("markers", "kv_cases(predicate): select the spec cases a suite "
                             "test is parametrised with (predicate(case) -> bool)")
-    xfails = _startup_checks(options)  # before anything heavy is imported
-    _add_suite(config)
-    if hasattr(config, "workerinput"):  # an xdist worker never outlives its controller
-        from pytest_kvconform.workers import exit_with_parent
+    try:
+        xfails = _startup_checks(options)  # before anything heavy is imported
+        _add_suite(config)
+        if hasattr(config, "workerinput"):  # an xdist worker never outlives its controller
+            from pytest_kvconform.workers import exit_with_parent
 
-        exit_with_parent()
-    from pytest_kvconform.session import KvSession
+            exit_with_parent()
+        from pytest_kvconform.session import KvSession
 
-    session = KvSession(config, options, xfails=xfails)
+        session = KvSession(config, options, xfails=xfails)
+    except KeyboardInterrupt:
+        _interrupted_before_results(config, options)
+        raise
     config.pluginmanager.register(session, SESSION_PLUGIN)
     _speculate_workers(config, options, session)
+
+
+def _interrupted_before_results(config: pytest.Config, options: Options) -> None:
+    """Ctrl-C before the run's results plugin was registered (which judges any later
+    interrupt): the verdict and the report all the same, with nothing collected."""
+    from pytest_kvconform.session import RESULTS_PLUGIN
+
+    if config.pluginmanager.get_plugin(RESULTS_PLUGIN) is not None:
+        return
+    from pytest_kvconform.session_results import KvResults
+    from pytest_kvconform.session_selection import KvSelection
+
+    results = KvResults(config, options, KvSelection(config, options, "cpu", []))
+    results.interruption = "KeyboardInterrupt during start-up, before any test was collected"
+    results.conclude_interrupted_start()
 
 
 def _speculate_workers(config: pytest.Config, options: Options, session: KvSession) -> None:

@@ -23,7 +23,9 @@ status, reason, duration_s`` plus optional ``skip_kind`` (a
 upstream (per layout/case) tests; the matrices show those in a ``(upstream)`` row.
 
 A status ``error`` result may carry ``error_kind`` (``worker-died``, ``timeout``,
-``oom``, ``harness``): the harness failed there, not the backend.
+``oom``, ``harness``): the harness failed there, not the backend.  A result whose test
+drove KV-A workers under a seeded worker fault carries ``seeded_fault`` (the fault's
+name, also in ``environment.seeded_faults``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ from pytest_kvconform.report_verdict import (
     STATUSES,
     VERDICTS,
     compute_verdict,
+    describe_startup_failure,
+    describe_uncovered,
     interruption_of,
     judge,
     left_out,
@@ -78,7 +82,9 @@ from pytest_kvconform.report_verdict import (
     ran_count,
     run_record,
     selection_record,
+    startup_failures,
     summarize,
+    uncovered_entries,
     verdict_text,
 )
 
@@ -96,6 +102,8 @@ __all__ = [
     "check_mergeable",
     "clause_sort_key",
     "compute_verdict",
+    "describe_startup_failure",
+    "describe_uncovered",
     "environment_info",
     "host_labels",
     "interruption_of",
@@ -114,7 +122,9 @@ __all__ = [
     "report_paths",
     "run_record",
     "selection_record",
+    "startup_failures",
     "summarize",
+    "uncovered_entries",
     "validate_report",
     "verdict_text",
     "worst_status",
@@ -150,7 +160,8 @@ def build_report(
     rows = sorted((_normalise_result(r) for r in results), key=result_sort_key)
     run_rec = jsonable(dict(run)) if run is not None else run_record()
     sel = jsonable(dict(selection)) if selection is not None else None
-    verdict, uncovered = judge(rows, strict, sel, run_rec)
+    startup = startup_failures(env.get("plugins"))
+    verdict, uncovered = judge(rows, strict, sel, run_rec, startup)
     report = {
         "schema": SCHEMA,
         "contract": CONTRACT_VERSION,
@@ -162,6 +173,7 @@ def build_report(
         "summary": summarize(rows, strict),
         "verdict": verdict,
         "uncovered": uncovered,
+        "startup_failures": startup,
     }
     validate_report(report)
     return report

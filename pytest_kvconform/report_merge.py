@@ -20,9 +20,11 @@ from pytest_kvconform.report_render import (
     markdown_table,
     matrix_lines,
     matrix_rows,
+    md_escape,
     row_name,
 )
 from pytest_kvconform.report_schema import ReportError
+from pytest_kvconform.report_verdict import describe_startup_failure, describe_uncovered
 
 
 def check_mergeable(named: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
@@ -84,13 +86,30 @@ def host_labels(named: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
     ]
 
 
-def merged_uncovered(reports: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Clauses some host could not cover for hardware and no host actually ran."""
-    ran = {
-        r["clause"] for rep in reports for r in rep["results"] if r["status"] != "skipped"
-    }
-    missing = {c for rep in reports for c in rep["uncovered"]} - ran
-    return sorted(missing, key=clause_sort_key)
+def merged_uncovered(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What some host left unchecked (its ``uncovered`` entries) and no host checked.
+
+    An entry that names a backend is covered by a host that ran those clauses for that
+    backend; one that does not, by a host that ran those clauses at all.  An entry
+    partly covered keeps only the clauses no host ran (and becomes a clause entry).
+    """
+    ran = {(r.get("backend"), r["clause"]) for rep in reports for r in rep["results"]
+           if r["status"] != "skipped"}
+    ran_anywhere = {clause for _, clause in ran}
+    merged: list[dict[str, Any]] = []
+    for rep in reports:
+        for entry in rep["uncovered"]:
+            backend = entry["backend"]
+            left = [c for c in entry["clauses"]
+                    if ((backend, c) not in ran if backend else c not in ran_anywhere)]
+            if not left:
+                continue
+            if left != entry["clauses"]:
+                entry = {**entry, "scope": "clause", "clauses": left}
+            if entry not in merged:
+                merged.append(dict(entry))
+    return sorted(merged, key=lambda e: (e["scope"] != "backend", e["backend"] or "",
+                                         [clause_sort_key(c) for c in e["clauses"]]))
 
 
 def render_merged_markdown(named: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
@@ -135,7 +154,14 @@ def render_merged_markdown(named: Sequence[tuple[str, Mapping[str, Any]]]) -> st
         lines.append("No clause results.")
     uncovered = merged_uncovered(reports)
     if uncovered:
-        lines += ["", "Not covered by any host: " + ", ".join(uncovered)]
+        lines += ["", "Not checked by any host:", ""]
+        lines += [f"- {md_escape(describe_uncovered(e))}" for e in uncovered]
+    startup = [(label, f) for label, rep in zip(labels, reports, strict=True)
+               for f in rep["startup_failures"]]
+    if startup:
+        lines += ["", "Production would not start (a general plugin's hook raised):", ""]
+        lines += [f"- {md_escape(label)}: {md_escape(describe_startup_failure(f))}"
+                  for label, f in startup]
     footnotes = notes.lines()
     if footnotes:
         lines += ["", *footnotes]

@@ -13,7 +13,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pytest_kvconform.clauses import clause_sort_key
-from pytest_kvconform.report_verdict import STATUSES, interruption_of, left_out
+from pytest_kvconform.report_verdict import (
+    STATUSES,
+    describe_startup_failure,
+    describe_uncovered,
+    interruption_of,
+    left_out,
+)
 
 UPSTREAM_ROW = "(upstream)"
 
@@ -107,8 +113,11 @@ class Footnotes:
     def __init__(self) -> None:
         self._numbers: dict[tuple[str, str], int] = {}
 
-    def ref(self, status: str, reason: str, error_kind: str | None = None) -> str:
+    def ref(self, status: str, reason: str, error_kind: str | None = None,
+            seeded_fault: str | None = None) -> str:
         word = _CELL_WORD[status] + (f" ({error_kind})" if error_kind else "")
+        if seeded_fault:
+            word += f" (under the seeded worker fault {seeded_fault})"
         key = (word, " ".join(reason.split()))
         number = self._numbers.setdefault(key, len(self._numbers) + 1)
         return f"[^{number}]"
@@ -123,22 +132,24 @@ def _cell(results: Sequence[Mapping[str, Any]], notes: Footnotes) -> str:
     worst = worst_status(r["status"] for r in results)
     count = sum(1 for r in results if r["status"] == worst)
     refs = dict.fromkeys(
-        notes.ref(r["status"], r["reason"], r.get("error_kind"))
+        notes.ref(r["status"], r["reason"], r.get("error_kind"), r.get("seeded_fault"))
         for r in results
-        if r["status"] != "passed" and (r.get("reason") or r.get("error_kind"))
+        if (r["status"] != "passed" and (r.get("reason") or r.get("error_kind")))
+        or r.get("seeded_fault")
     )
     return f"{_CELL_WORD[worst]} {count}/{len(results)}" + "".join(refs)
 
 
-def _md(text: Any) -> str:
+def md_escape(text: Any) -> str:
+    """Text safe in a Markdown table cell or list item: pipes escaped, one line."""
     return "" if text is None else str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     """A Markdown table; a ``|`` or a newline in a cell is escaped."""
-    lines = ["| " + " | ".join(_md(h) for h in header) + " |"]
+    lines = ["| " + " | ".join(md_escape(h) for h in header) + " |"]
     lines.append("|" + "|".join("---" for _ in header) + "|")
-    lines += ["| " + " | ".join(_md(c) for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(md_escape(c) for c in row) + " |" for row in rows]
     return lines
 
 
@@ -178,11 +189,25 @@ def _verdict_line(report: Mapping[str, Any]) -> str:
 
 
 def _completeness_lines(report: Mapping[str, Any]) -> list[str]:
-    """Why a verdict is partial or interrupted, and the harness errors, as Markdown lines."""
+    """Why a verdict is not qualified for all the results say, partial or interrupted, and
+    the harness errors, as Markdown lines."""
     lines = []
     interruption = interruption_of(report["run"], report["selection"], report["results"])
     if interruption:
         lines += ["", f"Interrupted: {interruption}."]
+    startup = report["startup_failures"]
+    if startup:
+        lines += ["", "Production would not start: vLLM's and vllm-omni's plugin loaders call "
+                  "each general plugin's hook unguarded, so a process with these installed "
+                  "fails at start-up (the run checked the deployment without them):", ""]
+        lines += [f"- {md_escape(describe_startup_failure(f))}" for f in startup]
+    faulted = [r for r in report["results"] if r.get("seeded_fault")]
+    faults = report["environment"].get("seeded_faults")
+    if faults:
+        lines += ["", f"Seeded worker fault {', '.join(f'`{f}`' for f in faults)} "
+                  f"(`$KVCONFORM_WORKER_FAULT`) was active: {len(faulted)} result(s) drove KV-A "
+                  "workers under it (marked in the matrix's footnotes); they speak for the "
+                  "fault, not the backend, and qualify nothing."]
     missing = left_out(report["selection"])
     if missing:
         lines += ["", "Left out of the matrix: " + "; ".join(missing) + "."]
@@ -227,7 +252,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     lines.append(", ".join(f"{counts[s]} {s}" for s in STATUSES) + f" of {len(results)}.")
     lines += _completeness_lines(report)
     if report["uncovered"]:
-        lines += ["", "Not covered by this host's hardware: " + ", ".join(report["uncovered"])]
+        lines += ["", "Unchecked by this run (skipped, whether forgiven or declared; not "
+                  "applicable skips aside):", ""]
+        lines += [f"- {md_escape(describe_uncovered(e))}" for e in report["uncovered"]]
     if report["summary"]["blocking"]:
         lines += ["", "Blocking results:", ""]
         lines += [f"- `{nodeid}`" for nodeid in report["summary"]["blocking"]]
@@ -237,6 +264,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         for key in ("python", "torch", "vllm", "vllm_omni")
     ]
     env_rows += [("platform", env["platform"]), ("host", env["host"]), ("seed", env["seed"])]
+    if env.get("seeded_faults"):
+        env_rows.append(("seeded worker fault", f"{', '.join(env['seeded_faults'])} "
+                                                "($KVCONFORM_WORKER_FAULT)"))
     env_rows += [(f"device {i}", device_text(d)) for i, d in enumerate(env["devices"])]
     env_rows += [("options", json.dumps(env["options"], sort_keys=True))]
     lines += markdown_table(["key", "value"], env_rows)
@@ -271,7 +301,7 @@ def _plugin_lines(plugins: Mapping[str, Any] | None,
                     [[p["group"], p["name"], p["dist"], p["status"],
                       ", ".join(p["changed"]) or "-", p["error"]]
                      for p in plugins.get("plugins", [])])
-    lines += [f"- note: {_md(note)}" for note in plugins.get("notes", [])]
+    lines += [f"- note: {md_escape(note)}" for note in plugins.get("notes", [])]
     origins = [[b["name"], b["path"], b["overridden"], b["origin"]] for b in backends
                if b.get("origin")]
     if origins:

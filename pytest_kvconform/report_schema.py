@@ -18,22 +18,29 @@ from typing import Any
 from pytest_kvconform.clauses import CLAUSE_RE
 from pytest_kvconform.outcomes import ErrorKind, SkipKind
 from pytest_kvconform.report_verdict import (
+    STARTUP_FAILURE_KEYS,
     STATUSES,
+    UNCOVERED_KEYS,
+    UNCOVERED_SCOPES,
     VERDICTS,
     judge,
     ran_count,
+    startup_failures,
     summarize,
     verdict_text,
 )
 
-SCHEMA = "pytest-kvconform/report/1"
+# 2: ``uncovered`` lists entries (backend or clause, kind, reason), not clause ids;
+# ``startup_failures``; ``seeded_faults`` on the environment, ``seeded_fault`` on the
+# results a seeded worker fault touched.
+SCHEMA = "pytest-kvconform/report/2"
 SKIP_KINDS = tuple(k.value for k in SkipKind)
 ERROR_KINDS = tuple(k.value for k in ErrorKind)
 
 # The keys of each object, in the order they are written; optional ones may be absent.
 TOP_KEYS = (
     "schema", "contract", "run", "environment", "selection", "backends", "results", "summary",
-    "verdict", "uncovered",
+    "verdict", "uncovered", "startup_failures",
 )
 RUN_KEYS = ("id", "started", "duration_s", "interruption")
 SELECTION_KEYS = (
@@ -47,12 +54,15 @@ DEVICE_KEYS = ("name", "memory_bytes", "driver", "cuda")
 BACKEND_KEYS = ("name", "path", "source", "overridden", "importable", "reason")
 # origin: "in-tree", or the distribution / entry point whose plugin re-pointed the member.
 BACKEND_OPTIONAL_KEYS = ("origin",)
-# plugins: what loading vLLM / vllm-omni plugins did (omni_plugins.PluginLoad.as_dict()).
-ENV_OPTIONAL_KEYS = ("plugins",)
+# plugins: what loading vLLM / vllm-omni plugins did (omni_plugins.PluginLoad.as_dict());
+# seeded_faults: the $KVCONFORM_WORKER_FAULT values the run's KV-A workers ran under.
+ENV_OPTIONAL_KEYS = ("plugins", "seeded_faults")
 RESULT_KEYS = (
     "nodeid", "backend", "clause", "case", "layout", "device", "status", "reason", "duration_s",
 )
-RESULT_OPTIONAL_KEYS = ("skip_kind", "xfail", "error_kind", "via")
+# seeded_fault: the seeded worker fault this result's test sent its KV-A workers; via: the
+# production entry point a KV-A / KV-L6 result went through.
+RESULT_OPTIONAL_KEYS = ("skip_kind", "xfail", "error_kind", "seeded_fault", "via")
 SUMMARY_KEYS = ("strict", "total", "by_status", "by_clause", "blocking")
 
 
@@ -93,9 +103,10 @@ def jsonable(value: Any) -> Any:
 def validate_report(obj: Any) -> None:
     """Raise :class:`ReportError` naming the JSON path of the first schema problem.
 
-    Besides shapes and types, the summary, verdict and uncovered list must
-    agree with the results, the selection and the run: a hand-edited verdict,
-    or a "qualified" for a partial or interrupted run, is caught here.  Every
+    Besides shapes and types, the summary, verdict, uncovered entries and
+    start-up failures must agree with the results, the selection, the run and
+    the plugins: a hand-edited verdict, a "qualified" for a partial or
+    interrupted run, or a dropped start-up failure is caught here.  Every
     number must be finite (JSON has no NaN; Python's json module writes one).
     """
     key: Any  # a backend's key (str), then a result's sort key (tuple)
@@ -107,6 +118,7 @@ def validate_report(obj: Any) -> None:
     _validate_run(obj["run"])
     _validate_environment(obj["environment"])
     _validate_selection(obj["selection"])
+    _validate_startup(obj["startup_failures"], obj["environment"].get("plugins"))
     _expect_type(obj["backends"], "$.backends", list)
     for i, backend in enumerate(obj["backends"]):
         where = f"$.backends[{i}]"
@@ -119,8 +131,13 @@ def validate_report(obj: Any) -> None:
         _expect_type(backend["reason"], f"{where}.reason", str, none=True)
     _expect_type(obj["results"], "$.results", list)
     previous: tuple[str, ...] | None = None
+    faults = obj["environment"].get("seeded_faults") or []
     for i, result in enumerate(obj["results"]):
         _validate_result(result, f"$.results[{i}]")
+        if result.get("seeded_fault") is not None and result["seeded_fault"] not in faults:
+            raise ReportError(f"$.results[{i}].seeded_fault",
+                              f"{result['seeded_fault']!r} is not in $.environment."
+                              f"seeded_faults ({faults})")
         sort_key = result_sort_key(result)
         if previous is not None and sort_key < previous:
             raise ReportError(f"$.results[{i}]", "results are not sorted by nodeid")
@@ -135,15 +152,47 @@ def validate_report(obj: Any) -> None:
         raise ReportError("$.summary", "does not match the results")
     if obj["verdict"] not in VERDICTS:
         raise ReportError("$.verdict", f"expected one of {VERDICTS}, got {obj['verdict']!r}")
-    verdict, uncovered = judge(obj["results"], strict, obj["selection"], obj["run"])
+    startup = obj["startup_failures"]
+    verdict, uncovered = judge(obj["results"], strict, obj["selection"], obj["run"], startup)
     if obj["verdict"] != verdict:
         mode = "strict" if strict else "non-strict"
-        why = verdict_text(verdict, [], obj["selection"], obj["run"], obj["results"])
+        why = verdict_text(verdict, [], obj["selection"], obj["run"], obj["results"], startup)
         raise ReportError("$.verdict", f"{obj['verdict']!r} but the results give {verdict!r} "
                                        f"({mode})" + (f": {why}" if why != verdict else ""))
     _expect_type(obj["uncovered"], "$.uncovered", list)
+    for i, entry in enumerate(obj["uncovered"]):
+        _validate_uncovered(entry, f"$.uncovered[{i}]")
     if obj["uncovered"] != uncovered:
         raise ReportError("$.uncovered", f"expected {uncovered}, got {obj['uncovered']!r}")
+
+
+def _validate_uncovered(entry: Any, where: str) -> None:
+    _expect_keys(entry, where, UNCOVERED_KEYS)
+    if entry["scope"] not in UNCOVERED_SCOPES:
+        raise ReportError(f"{where}.scope",
+                          f"expected one of {', '.join(UNCOVERED_SCOPES)}, got {entry['scope']!r}")
+    for key in ("backend", "kind"):
+        _expect_type(entry[key], f"{where}.{key}", str, none=True)
+    _expect_type(entry["reason"], f"{where}.reason", str)
+    _expect_type(entry["results"], f"{where}.results", int)
+    for key in ("clauses", "declared"):
+        _expect_type(entry[key], f"{where}.{key}", list)
+        for j, item in enumerate(entry[key]):
+            _expect_type(item, f"{where}.{key}[{j}]", str)
+
+
+def _validate_startup(startup: Any, plugins: Any) -> None:
+    """Each plugin whose hook raised is listed, and nothing else (see ``startup_failures``)."""
+    _expect_type(startup, "$.startup_failures", list)
+    for i, failure in enumerate(startup):
+        where = f"$.startup_failures[{i}]"
+        _expect_keys(failure, where, STARTUP_FAILURE_KEYS)
+        for key in STARTUP_FAILURE_KEYS:
+            _expect_type(failure[key], f"{where}.{key}", str, none=key != "plugin")
+    expected = startup_failures(plugins if isinstance(plugins, dict) else None)
+    if startup != expected:
+        raise ReportError("$.startup_failures", f"expected {expected} (the plugins of "
+                          f"$.environment.plugins whose hook raised), got {startup!r}")
 
 
 def _expect_finite(value: Any, where: str) -> None:
@@ -196,6 +245,10 @@ def _validate_environment(env: Any) -> None:
     _expect_keys(env, "$.environment", ENV_KEYS, ENV_OPTIONAL_KEYS)
     if "plugins" in env:
         _expect_type(env["plugins"], "$.environment.plugins", dict)
+    if "seeded_faults" in env:
+        _expect_type(env["seeded_faults"], "$.environment.seeded_faults", list)
+        for i, fault in enumerate(env["seeded_faults"]):
+            _expect_type(fault, f"$.environment.seeded_faults[{i}]", str)
     _expect_type(env["python"], "$.environment.python", str)
     for key in ("torch", "vllm", "vllm_omni"):
         _expect_type(env[key], f"$.environment.{key}", str, none=True)
@@ -219,7 +272,7 @@ def _validate_result(result: Any, where: str) -> None:
     _expect_type(result["clause"], f"{where}.clause", str)
     if not CLAUSE_RE.match(result["clause"]):
         raise ReportError(f"{where}.clause", f"not a clause id: {result['clause']!r}")
-    for key in ("backend", "case", "layout", "device", "reason", "xfail", "via"):
+    for key in ("backend", "case", "layout", "device", "reason", "xfail", "seeded_fault", "via"):
         _expect_type(result.get(key), f"{where}.{key}", str, none=True)
     if result["status"] not in STATUSES:
         raise ReportError(

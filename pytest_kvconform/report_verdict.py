@@ -21,13 +21,26 @@ test has no result, is ``interrupted``; a run that left any part of the matrix
 out is ``partial``; a failure or error makes it ``not qualified`` (interrupted
 still wins: nothing about an unfinished run is certified).
 
-Clauses with a hardware skip are listed as ``uncovered`` in both modes.
+What a run left unchecked is listed as ``uncovered`` in both modes
+(:func:`uncovered_entries`): a backend whose whole row was skipped (one that does not
+import), and each clause skipped for any reason but "not applicable" (missing
+hardware, a skip the xfails file declares, a missing package), each with its kind,
+the xfails entry that declared it, and its reason.  A qualified verdict thus never
+hides what it did not check.
+
+A deployment that production could not start is ``not qualified`` whatever the
+results (:func:`startup_failures`): a general plugin whose hook raises stops every
+production process at start-up, since vLLM's and vllm-omni's loaders call the hooks
+unguarded.  A result produced under a seeded worker fault (``seeded_fault``) blocks
+too: it speaks for the fault, not for the backend.
 """
 
 from __future__ import annotations
 
 import datetime
+import re
 import uuid
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -43,7 +56,7 @@ FORGIVEN_SKIP_KINDS = tuple(sorted(k.value for k in clauses.FORGIVEN_SKIP_KINDS)
 
 def _blocks(result: Mapping[str, Any], strict: bool) -> bool:
     status = result.get("status")
-    if status in ("failed", "error"):
+    if status in ("failed", "error") or result.get("seeded_fault"):
         return True
     if not strict:
         return False
@@ -59,19 +72,110 @@ def _blocks(result: Mapping[str, Any], strict: bool) -> bool:
 
 def compute_verdict(
     results: Iterable[Mapping[str, Any]], strict: bool
-) -> tuple[str, list[str]]:
-    """``("qualified" | "not qualified", uncovered clauses)``; see the module docstring.
+) -> tuple[str, list[dict[str, Any]]]:
+    """``("qualified" | "not qualified", uncovered entries)``; see the module docstring.
 
     An empty run is never qualified: nothing was checked.
     """
     results = list(results)
     qualified = bool(results) and not any(_blocks(r, strict) for r in results)
-    uncovered = {
-        r["clause"]
-        for r in results
-        if r.get("status") == "skipped" and r.get("skip_kind") == "hardware"
+    return ("qualified" if qualified else "not qualified"), uncovered_entries(results)
+
+
+# The keys of one ``uncovered`` entry, in the order they are written.
+UNCOVERED_KEYS = ("scope", "backend", "clauses", "kind", "declared", "reason", "results")
+UNCOVERED_SCOPES = ("backend", "clause")
+_CLAUSE_PREFIX = re.compile(r"^KV-[A-Z]+\d+: ")
+
+
+def _unchecked(result: Mapping[str, Any]) -> bool:
+    """A skip that leaves something unchecked: any kind but "not applicable" (which
+    has nothing to check)."""
+    return result.get("status") == "skipped" and result.get("skip_kind") != "not-applicable"
+
+
+def uncovered_entries(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What the results left unchecked, one entry per backend row or clause.
+
+    A backend whose every result is a skip is one entry of scope ``backend`` (its
+    whole row is unchecked: typically it does not import); every other unchecked
+    skip is grouped by clause, kind and the xfails entry that declared it (scope
+    ``clause``; ``backend`` names the row when all its results are of one row).
+    ``declared`` lists the xfails entries that declared its skips (empty: forgiven by
+    the clause table, or not forgiven at all).  Backend entries come first, by name;
+    then clauses in contract order.
+    """
+    results = list(results)
+    rows: dict[str, list[Mapping[str, Any]]] = {}
+    for r in results:
+        if r.get("backend"):
+            rows.setdefault(str(r["backend"]), []).append(r)
+    whole = sorted(name for name, rs in rows.items()
+                   if all(r.get("status") == "skipped" for r in rs)
+                   and any(_unchecked(r) for r in rs))
+    entries = [_uncovered_entry("backend", [r for r in rows[name] if _unchecked(r)])
+               for name in whole]
+    groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = {}
+    for r in results:
+        if _unchecked(r) and r.get("backend") not in whole:
+            key = (str(r["clause"]), str(r.get("skip_kind") or ""), str(r.get("xfail") or ""))
+            groups.setdefault(key, []).append(r)
+    for key in sorted(groups, key=lambda k: (clause_sort_key(k[0]), k[1], k[2])):
+        entries.append(_uncovered_entry("clause", groups[key]))
+    return entries
+
+
+def _uncovered_entry(scope: str, results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    backends = {r.get("backend") for r in results}
+    kinds = Counter(r.get("skip_kind") for r in results)
+    declared = sorted({str(r["xfail"]) for r in results if r.get("xfail")})
+    reasons = Counter(_CLAUSE_PREFIX.sub("", str(r.get("reason") or "")).strip() or
+                      "(no reason given)" for r in results)
+    reason, _ = reasons.most_common(1)[0]
+    if len(reasons) > 1:
+        reason += f" (and {len(reasons) - 1} other reason{'s' if len(reasons) > 2 else ''})"
+    return {
+        "scope": scope,
+        "backend": next(iter(backends)) if len(backends) == 1 else None,
+        "clauses": sorted({str(r["clause"]) for r in results}, key=clause_sort_key),
+        "kind": kinds.most_common(1)[0][0],
+        "declared": declared,
+        "reason": reason,
+        "results": len(results),
     }
-    return ("qualified" if qualified else "not qualified"), sorted(uncovered, key=clause_sort_key)
+
+
+def describe_uncovered(entry: Mapping[str, Any]) -> str:
+    """One entry in words: ``SAGE_ATTN_3, every clause (42 results; backend skip, declared:
+    ...)`` or ``KV-L7 for FLASH_ATTN (1 result; hardware skip: needs CUDA)``."""
+    n = entry["results"]
+    how = f"{entry['kind'] or 'unclassified'} skip" + (", declared" if entry["declared"] else "")
+    counted = f"{n} result{'s' if n != 1 else ''}"
+    if entry["scope"] == "backend":
+        return f"{entry['backend']}, every clause ({counted}; {how}: {entry['reason']})"
+    where = ", ".join(entry["clauses"]) + (f" for {entry['backend']}" if entry["backend"] else "")
+    return f"{where} ({counted}; {how}: {entry['reason']})"
+
+
+# The keys of one ``startup_failures`` entry, in the order they are written.
+STARTUP_FAILURE_KEYS = ("plugin", "group", "distribution", "error")
+
+
+def startup_failures(plugins: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The general plugins whose hook raised (``environment.plugins``), as the report's
+    ``startup_failures``: production's loaders call each hook unguarded, so a process
+    with such a plugin installed fails at start-up.  A plugin that fails to *import*
+    is not one: production logs it and goes on without it."""
+    if not plugins:
+        return []
+    return [{"plugin": p.get("name"), "group": p.get("group"), "distribution": p.get("dist"),
+             "error": p.get("error")}
+            for p in plugins.get("plugins", []) if p.get("status") == "hook-failed"]
+
+
+def describe_startup_failure(failure: Mapping[str, Any]) -> str:
+    return (f"plugin {failure['plugin']} ({failure['group']}, "
+            f"{failure['distribution'] or 'no distribution'}) hook raised {failure['error']}")
 
 
 def summarize(results: Sequence[Mapping[str, Any]], strict: bool) -> dict[str, Any]:
@@ -170,34 +274,48 @@ def interruption_of(run: Mapping[str, Any], selection: Mapping[str, Any] | None,
 
 def judge(
     results: Sequence[Mapping[str, Any]], strict: bool, selection: Mapping[str, Any] | None,
-    run: Mapping[str, Any],
-) -> tuple[str, list[str]]:
-    """The report's verdict and uncovered clauses: results, completeness, interruption.
+    run: Mapping[str, Any], startup: Sequence[Mapping[str, Any]] = (),
+) -> tuple[str, list[dict[str, Any]]]:
+    """The report's verdict and uncovered entries: results, start-up, completeness,
+    interruption.
 
-    ``interrupted`` > ``not qualified`` > ``partial`` > ``qualified``.
+    ``interrupted`` > ``not qualified`` > ``partial`` > ``qualified``; ``startup``
+    (:func:`startup_failures`) makes any finished run ``not qualified``.
     """
     verdict, uncovered = compute_verdict(results, strict)
     if interruption_of(run, selection, results):
         verdict = "interrupted"
+    elif startup:
+        verdict = "not qualified"
     elif verdict == "qualified" and left_out(selection):
         verdict = "partial"
     return verdict, uncovered
 
 
-def verdict_text(verdict: str, uncovered: Sequence[str], selection: Mapping[str, Any] | None,
-                 run: Mapping[str, Any], results: Sequence[Mapping[str, Any]]) -> str:
-    """One line: the verdict and what it rests on (what was left out, why it stopped)."""
+def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
+                 selection: Mapping[str, Any] | None, run: Mapping[str, Any],
+                 results: Sequence[Mapping[str, Any]],
+                 startup: Sequence[Mapping[str, Any]] = ()) -> str:
+    """One line: the verdict and what it rests on (what production could not start, what
+    was left out or unchecked, why it stopped)."""
     notes = []
     if verdict == "interrupted":
         notes.append(f"interrupted: {interruption_of(run, selection, results)}")
+    if startup:
+        notes.append("production would not start: " +
+                     "; ".join(describe_startup_failure(f) for f in startup))
     missing = left_out(selection)
     if missing and verdict != "qualified":
         notes.append("left out: " + "; ".join(missing))
     if uncovered:
-        notes.append(f"hardware could not cover: {', '.join(uncovered)}")
+        notes.append("unchecked: " + "; ".join(describe_uncovered(e) for e in uncovered))
+    faulted = [r for r in results if r.get("seeded_fault")]
+    if faulted:
+        names = ", ".join(sorted({str(r["seeded_fault"]) for r in faulted}))
+        notes.append(f"seeded worker fault {names} in {len(faulted)} result(s), which speak "
+                     "for the fault, not the backend")
     errors = sorted({r.get("error_kind") or "harness" for r in results
                      if r.get("status") == "error"})
     if errors:
         notes.append(f"harness errors ({', '.join(errors)}), not blamed on any backend")
     return verdict + (f" ({'; '.join(notes)})" if notes else "")
-

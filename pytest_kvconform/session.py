@@ -34,12 +34,14 @@ class KvSession:
         self.fault: str | None = None
         self.device = "cpu"
         self.gpu_ids: list[str] = []
-        self._setup_device()
-        self._plugins_env = set_plugins_env(options.plugins)  # after the CPU platform's env
+        # First: from here on a Ctrl-C still ends with a verdict and a report (KvResults).
         self.selection = KvSelection(config, options, self.device, list(xfails or []))
         self.results = KvResults(config, options, self.selection)
         config.pluginmanager.register(self.selection, SELECTION_PLUGIN)
         config.pluginmanager.register(self.results, RESULTS_PLUGIN)
+        self._setup_device()
+        self._plugins_env = set_plugins_env(options.plugins)  # after the CPU platform's env
+        self.selection.device = self.device
         from pytest_kvconform import workers
 
         workers.hold()  # the KV-A worker pool lives until pytest_unconfigure

@@ -2,24 +2,35 @@
 
 Registered as a plugin by :class:`~pytest_kvconform.session.KvSession`.  Each suite
 test's reports become typed :class:`~pytest_kvconform.model.ResultRow` rows (a
-harness fault classified on the way, so no xfail entry absorbs it uninvited); at
-the end of the run they are judged against the selection and, as mappings, handed
-to ``report.py`` for the terminal matrix, the verdict and the report files.
+harness fault classified on the way, so no xfail entry absorbs it uninvited; a test
+whose xdist worker died becomes a ``worker-died`` error; a test that drove its KV-A
+workers under a seeded fault says so); at the end of the run they are judged against
+the selection and, as mappings, handed to ``report.py`` for the terminal matrix, the
+verdict and the report files.  A run interrupted before its session started (Ctrl-C
+while plugins and vllm-omni load) is judged there and then: pytest calls no
+``pytest_sessionfinish`` for it.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
-from collections.abc import Generator
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any
 
 import pytest
 
 from pytest_kvconform.faults import ERROR_KIND_PROPERTY, harness_kind
-from pytest_kvconform.model import SKIP_KIND_PROPERTY, VIA_PROPERTY, ResultRow
+from pytest_kvconform.model import (
+    SEEDED_FAULT_PROPERTY,
+    SKIP_KIND_PROPERTY,
+    VIA_PROPERTY,
+    ResultRow,
+    clause_from_test_name,
+)
 from pytest_kvconform.options import Options
-from pytest_kvconform.outcomes import ClauseFailure, ErrorKind
+from pytest_kvconform.outcomes import ClauseFailure, ErrorKind, bracketed
 from pytest_kvconform.session_selection import XFAIL_PROPERTY, KvSelection
 
 # How pytest prefixes a ClauseFailure's message in a crash line.
@@ -47,6 +58,14 @@ class KvResults:
         self.verdict_line = ""
         self.report_error: str | None = None
         self.report_line = ""
+        # pytest_sessionstart finished, so pytest_sessionfinish will come; until then an
+        # interrupt is judged in pytest_keyboard_interrupt.
+        self.session_started = False
+        self.concluded = False
+        self._faults_before: dict[str, int] | None = None  # workers.faulted_commands()
+        # xdist controller: each suite test's properties, from the first report of it
+        # (a crashed worker's test gets no report of its own with them).
+        self._properties: dict[str, list[tuple[str, Any]]] = {}
 
     def row_dicts(self) -> list[dict[str, Any]]:
         """The rows as ``report.py`` takes them (it also reads reports from files)."""
@@ -54,12 +73,26 @@ class KvResults:
 
     # -- during the run ---------------------------------------------------------
 
+    @pytest.hookimpl(wrapper=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> Generator[None, None, None]:
+        yield  # raises when a hook was interrupted (or failed): then no sessionfinish comes
+        self.session_started = True
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        from pytest_kvconform import workers
+
+        self._faults_before = workers.faulted_commands()
+
     @pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: after skipping.py's xfail
     def pytest_runtest_makereport(self, item: pytest.Item,
                                   call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
-        """A harness fault carries its kind, and no xfail entry absorbs it uninvited."""
+        """A harness fault carries its kind, and no xfail entry absorbs it uninvited; a
+        test that drove its KV-A workers under a seeded fault names it."""
         report = yield
-        if call.excinfo is None or not any(k == "kv_clause" for k, _ in item.user_properties):
+        if not any(k == "kv_clause" for k, _ in item.user_properties):
+            return report
+        self._mark_seeded_fault(item, report)
+        if call.excinfo is None:
             return report
         if call.when == "call":
             # Anything in the test body, not only the check run_check wraps: a worker
@@ -85,13 +118,85 @@ class KvResults:
                 del report.wasxfail
         return report
 
+    def _mark_seeded_fault(self, item: pytest.Item, report: pytest.TestReport) -> None:
+        """Commands went to the KV-A workers under a seeded fault during this test: its
+        reports (this one, and through the item the ones after it) name the fault."""
+        from pytest_kvconform import workers
+
+        if self._faults_before is None:
+            return
+        faults = workers.faults_since(self._faults_before)
+        if not faults or any(k == SEEDED_FAULT_PROPERTY for k, _ in item.user_properties):
+            return
+        item.user_properties.append((SEEDED_FAULT_PROPERTY, faults[-1]))
+        if not any(k == SEEDED_FAULT_PROPERTY for k, _ in report.user_properties):
+            report.user_properties.append((SEEDED_FAULT_PROPERTY, faults[-1]))
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "teardown":  # finished: a crash from now on is another test's
+            self._properties.pop(report.nodeid, None)
+        elif report.nodeid not in self._properties and any(
+                k == "kv_clause" for k, _ in report.user_properties):
+            self._properties[report.nodeid] = list(report.user_properties)
         row = result_row(report)
         if row is not None:
             self.rows.append(row)
 
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_handlecrashitem(self, crashitem: str, report: pytest.TestReport,
+                               sched: Any) -> None:
+        """xdist: the worker running ``crashitem`` died (SIGKILL, a segfault, an exit).
+
+        xdist reports the test as failed with no properties; it becomes an ``error`` row
+        of kind ``worker-died`` naming the test, as a dead KV-A worker's test is.
+        """
+        props = self._properties.get(crashitem) or self._guess_properties(crashitem)
+        if props is None:
+            return
+        props = [(k, v) for k, v in props if k != ERROR_KIND_PROPERTY]
+        props.append((ERROR_KIND_PROPERTY, ErrorKind.WORKER_DIED.value))
+        report.user_properties = props
+        values = dict(props)
+        where = bracketed(backend=values.get("kv_backend"), case=values.get("kv_case"),
+                          layout=values.get("kv_layout"))
+        report.longrepr = (f"{values['kv_clause']}{where}: harness error (worker-died): "
+                           f"{report.longrepr}: the xdist worker process died (a signal such "
+                           "as SIGKILL from the kernel's OOM killer, a crash, or an exit); "
+                           "xdist replaces it and the run goes on")
+
+    def _guess_properties(self, nodeid: str) -> list[tuple[str, Any]] | None:
+        """A crashed test's properties when no report of it arrived (its worker died in
+        set-up): guessed from its id with the backends, layouts and cases this run knows."""
+        from pytest_kvconform import compat
+
+        backends = set(self.selection.all_backend_names) | {
+            str(r.backend) for r in self.rows if r.backend is not None}
+        return properties_from_id(nodeid, backends=backends, layouts=compat.LAYOUT_NAMES,
+                                  cases=[c.id for c in self.selection.cases],
+                                  device=self.selection.device)
+
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         self.interruption = str(excinfo.value).strip() or excinfo.typename
+        if not self.session_started:  # no pytest_sessionfinish will come: judge now
+            self.interruption = (f"{excinfo.typename} during start-up, before any test was "
+                                 "collected")
+            self.conclude_interrupted_start()
+
+    def conclude_interrupted_start(self) -> None:
+        """Ctrl-C while the run was starting (configure, plugins, discovery): the verdict
+        line and, with ``--kv-report``, the report, as a finished run gets them."""
+        if self.concluded or getattr(self.config, "workerinput", None) is not None:
+            return
+        self._conclude(pytest.ExitCode.INTERRUPTED)
+        lines = [f"kvconform: verdict: {self.verdict_line}", self.report_line]
+        if self.report_error:
+            lines.append(f"kvconform: ERROR: {self.report_error}")
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        for line in filter(None, lines):
+            if tr is not None:
+                tr.write_line(line)
+            else:  # interrupted before the terminal reporter was configured
+                print(line, file=sys.stdout, flush=True)
 
     # -- at the end -------------------------------------------------------------
 
@@ -115,7 +220,8 @@ class KvResults:
             kinds = sorted({r.error_kind or "harness" for r in errors})
             tr.write_line(f"kvconform: {len(errors)} harness error(s) ({', '.join(kinds)}): the "
                           "harness failed, not the backend", red=True)
-        for entry in self.selection.stale_xfails():
+        # Only once collection finished: a run stopped before it matched nothing yet.
+        for entry in self.selection.stale_xfails() if self.selection.counts.counted else ():
             tr.write_line(f"kvconform: warning: stale xfail entry {entry.describe()} matched no "
                           "test", yellow=True)
         if self.verdict_line:
@@ -132,8 +238,17 @@ class KvResults:
         if self.selection.usage_error:
             session.exitstatus = pytest.ExitCode.USAGE_ERROR
             return
+        failed = self._conclude(exitstatus, session)
+        if failed and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def _conclude(self, exitstatus: int, session: pytest.Session | None = None) -> bool:
+        """The verdict line and (when wanted) the report; True when the run must exit
+        non-zero for it (strict and not qualified, a plugin that stops production, the
+        report unwritable)."""
         from pytest_kvconform import report as report_mod
 
+        self.concluded = True
         strict = self.options.strict
         selection = self.selection.record()
         results = self.row_dicts()
@@ -141,21 +256,25 @@ class KvResults:
             run_id=self.run_id, started=self.started_iso,
             duration_s=time.monotonic() - self.started,
             interruption=self._interruption(session, exitstatus))
-        verdict, uncovered = report_mod.judge(results, strict, selection, run)
-        self.verdict_line = report_mod.verdict_text(verdict, uncovered, selection, run, results)
-        if strict and verdict != "qualified" and session.exitstatus == 0:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        if self.options.report is None and not self.report_wanted:
-            return
-        environment = report_mod.environment_info(self.options.raw, seed=None)
         plugins = self.selection.plugins_record()
+        startup = report_mod.startup_failures(plugins)
+        verdict, uncovered = report_mod.judge(results, strict, selection, run, startup)
+        self.verdict_line = report_mod.verdict_text(verdict, uncovered, selection, run, results,
+                                                    startup)
+        failed = bool(startup) or (strict and verdict != "qualified")
+        if self.options.report is None and not self.report_wanted:
+            return failed
+        environment = report_mod.environment_info(self.options.raw, seed=None)
         if plugins is not None:
             environment["plugins"] = plugins
+        faults = _seeded_faults(results)
+        if faults:
+            environment["seeded_faults"] = faults
         self.built_report = report_mod.build_report(
             environment=environment, backends=self.selection.backend_dicts(), results=results,
             options=self.options.raw, strict=strict, selection=selection, run=run)
         if self.options.report is None:
-            return
+            return failed
         try:
             json_path, md_path = report_mod.write_report(self.options.report, self.built_report)
         except (OSError, report_mod.ReportError) as exc:
@@ -164,24 +283,57 @@ class KvResults:
                 detail = exc.strerror + (f": {exc.filename}" if exc.filename else "")
             self.report_error = (f"the report could not be written to "
                                  f"{self.options.report}: {detail}")
-            if session.exitstatus == 0:
-                session.exitstatus = pytest.ExitCode.TESTS_FAILED
-            return
+            return True
         self.report_line = f"kvconform: report written to {json_path} and {md_path}"
+        return failed
 
-    def _interruption(self, session: pytest.Session, exitstatus: int) -> str | None:
+    def _interruption(self, session: pytest.Session | None, exitstatus: int) -> str | None:
         if self.interruption:
             return self.interruption
         if self.config.option.collectonly:
             return "--collect-only: no test ran"
-        if exitstatus == pytest.ExitCode.INTERRUPTED:
-            return str(session.shouldstop or "interrupted")
+        if exitstatus == pytest.ExitCode.INTERRUPTED or session is None:
+            return str(getattr(session, "shouldstop", None) or "interrupted")
         selected = self.selection.counts.selected_or_none()
         ran = len({r.nodeid for r in self.rows})
         stop = session.shouldstop or session.shouldfail
         if stop and selected is not None and ran < selected:
             return str(stop)
         return None
+
+
+def _seeded_faults(results: Sequence[dict[str, Any]]) -> list[str]:
+    """The seeded worker faults of this run: set for the whole run, or by a test."""
+    from pytest_kvconform import workers
+
+    try:
+        faults = {workers.active_fault()}
+    except ValueError:  # refused at start-up already
+        faults = set()
+    faults |= {r["seeded_fault"] for r in results}
+    return sorted(f for f in faults if f)
+
+
+def properties_from_id(nodeid: str, *, backends: Iterable[str], layouts: Iterable[str],
+                       cases: Iterable[str], device: str) -> list[tuple[str, Any]] | None:
+    """A suite test's properties read back from its id (``test_kv_a2[B-bf16_h8]``): the
+    clause from its name, then its parameters in the suite's order (backend or need,
+    layout, case), each matched against the known values.  None for other tests."""
+    name = nodeid.rpartition("::")[2]
+    clause = clause_from_test_name(name)
+    if clause is None:
+        return None
+    params = name.partition("[")[2].removesuffix("]")
+    found: dict[str, str | None] = {"kv_backend": None, "kv_layout": None, "kv_case": None}
+    known = (("kv_backend", {*backends, "need_False", "need_True"}), ("kv_layout", set(layouts)),
+             ("kv_case", set(cases)))
+    for key, values in known:
+        for value in sorted(values, key=len, reverse=True):  # the longest of two prefixes
+            if params == value or params.startswith(value + "-"):
+                found[key] = value
+                params = params[len(value) + 1:]
+                break
+    return [("kv_clause", clause), *found.items(), ("kv_device", device)]
 
 
 def result_row(report: pytest.TestReport) -> ResultRow | None:
@@ -228,5 +380,6 @@ def result_row(report: pytest.TestReport) -> ResultRow | None:
         xfail=props.get(XFAIL_PROPERTY),
         error_kind=error_kind if status in ("error", "xfailed") else None,
         via=props.get(VIA_PROPERTY),
+        seeded_fault=props.get(SEEDED_FAULT_PROPERTY),
     )
 

@@ -39,6 +39,9 @@ class Counts:
     collected: int = 0
     selected: int = 0
     counted: bool = False  # collection finished here (or an xdist worker reported)
+    # Collection got as far as pytest_collection_modifyitems: pytest calls
+    # pytest_collection_finish even when a Ctrl-C stopped collecting half-way.
+    modified: bool = False
 
     def collected_or_none(self) -> int | None:
         return self.collected if self.counted else None
@@ -224,6 +227,7 @@ class KvSelection:
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
+        self.counts.modified = True
         versions = _versions_for_xfails()  # once, not per item
         for item in items:
             props = item_properties(item, self.device)
@@ -251,7 +255,7 @@ class KvSelection:
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.counts.selected = sum(1 for item in session.items
                                    if any(k == "kv_clause" for k, _ in item.user_properties))
-        self.counts.counted = True
+        self.counts.counted = self.counts.modified
 
     # -- across xdist processes -------------------------------------------------
 

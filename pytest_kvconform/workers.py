@@ -166,6 +166,24 @@ def active_fault() -> str | None:
     return fault_seeds.active()
 
 
+_faulted_commands: dict[str, int] = {}
+
+
+def faulted_commands() -> dict[str, int]:
+    """How many commands this process has sent its KV-A workers under each seeded fault.
+
+    A check (a suite test, a ``check_backend`` run) whose counts moved drove its
+    workers under that fault, and its result says so: it speaks for the fault.
+    """
+    return dict(_faulted_commands)
+
+
+def faults_since(before: dict[str, int]) -> list[str]:
+    """The seeded faults commands were sent under since ``before`` (a
+    :func:`faulted_commands`), sorted."""
+    return sorted(f for f, n in _faulted_commands.items() if n > before.get(f, 0))
+
+
 def child_device(placement: str) -> tuple[str, str | None]:
     """(torch device inside the child, ``CUDA_VISIBLE_DEVICES`` it sets or None)."""
     if placement.startswith(GPU_PREFIX):
@@ -322,6 +340,8 @@ class WorkerHandle:
     def send(self, message: dict[str, Any]) -> None:
         self.wait_ready()
         message = {**message, "fault": active_fault()}
+        if message["fault"] is not None:
+            _faulted_commands[message["fault"]] = _faulted_commands.get(message["fault"], 0) + 1
         try:
             self.conn.send(message)
         except (BrokenPipeError, EOFError, OSError):

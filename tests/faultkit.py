@@ -269,6 +269,81 @@ def killed(workdir: Path, *, xdist: bool, sig: int) -> Outcome:
     return outcome
 
 
+# Holds the run in one of its start-up hooks (marking that it is there) until a signal
+# comes: ``configure`` (a conftest's pytest_configure, after the plugin's) or
+# ``sessionstart`` (the backends hook, which discovery calls from pytest_sessionstart).
+STARTUP_HOLD = '''
+import os
+import pathlib
+import time
+
+
+def _hold():
+    pathlib.Path(os.environ["KVCONFORM_WORKER_PIDDIR"], "starting.mark").touch()
+    time.sleep(300)
+'''
+STARTUP_HOOKS = {
+    "configure": "\n\ndef pytest_configure(config):\n    _hold()\n",
+    "sessionstart": "\n\ndef pytest_kvconform_backends(config):\n    _hold()\n    return {}\n",
+}
+# An entry that matches a collected test: "stale" only if it were checked without one.
+STARTUP_XFAILS = '''
+[[xfail]]
+backend = "*"
+clause = "KV-L8"
+reason = "known"
+'''
+
+
+def interrupted_at_startup(workdir: Path, where: str) -> Outcome:
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while the run is held
+    in a start-up hook, before anything was collected; with ``--kv-report``."""
+    conftest(workdir, STARTUP_HOLD + STARTUP_HOOKS[where])
+    (workdir / "known.toml").write_text(STARTUP_XFAILS)
+    started = time.monotonic()
+    proc, piddir = _start(workdir, ["--kv-strict", "--kv-xfails", "known.toml", "-k", "kv_l1",
+                                    "--kv-report", "r.json"])
+    watched: set[int] = set()
+    if _wait_for(piddir, "starting.mark", 1, proc, timeout=300):
+        watched = descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+    outcome = _finish(f"Ctrl-C in {where}", proc, piddir, started, workdir / "r.json",
+                      watched, timeout=120.0)
+    outcome.watched.add(proc.pid)
+    return outcome
+
+
+# Kills the xdist worker that runs KILLED_TEST, from inside the test's call (after its
+# set-up was reported), as the kernel's OOM killer would.
+KILLED_TEST = "test_kv_l1[GOOD]"
+KILL_XDIST_WORKER = f'''
+
+import signal
+
+import pytest
+
+
+class _Kill:  # a registered plugin: the suite's tests live outside this conftest's directory
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item):
+        if item.name == {KILLED_TEST!r} and os.environ.get("PYTEST_XDIST_WORKER"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_Kill())
+'''
+
+
+def xdist_worker_killed(workdir: Path) -> Outcome:
+    """``-n 2``: the xdist worker running :data:`KILLED_TEST` is SIGKILLed mid-test."""
+    conftest(workdir, "import os\n" + backends_conftest({"GOOD": Good}) + KILL_XDIST_WORKER)
+    started = time.monotonic()
+    proc, piddir = _start(workdir, ["-n", "2", "--kv-backend", "GOOD", "-k", "kv_l1 or kv_l2",
+                                    "--kv-report", "r.json"])
+    return _finish("xdist worker killed", proc, piddir, started, workdir / "r.json", set())
+
+
 SCENARIOS = {
     "worker-faults": worker_faults,
     "blocking-declaration": blocking_declaration,

@@ -166,10 +166,17 @@ def test_adoption_clauses_run_in_workers_and_see_a_seeded_fault(seed: Seeder) ->
                                 device="cpu")
     assert (clean.status, clean.test) == ("passed", "test_kv_a3[FLASH_ATTN-bf16_h8]"), clean
     assert clean.via and "DiffusionKVModelRunnerBackend.initialize_kv_cache" in clean.via
+    assert clean.seeded_fault is None and clean.ok
     assert multiprocessing.active_children() == [] and workers._pool is None
     seed.worker_fault("wrong_offset")
-    [faulty] = api.check_backend("FLASH_ATTN", cases=["bf16_h8"], clauses=["KV-A3"],
-                                 device="cpu")
+    l1, faulty = api.check_backend("FLASH_ATTN", cases=["bf16_h8"], clauses=["KV-L1", "KV-A3"],
+                                   device="cpu")
     assert faulty.status == "failed", faulty
     assert "KV-A3 violated" in faulty.message and "FLASH_ATTN" in faulty.message
+    # The result says it ran under the seeded fault; KV-L1 drove no worker, so it did not.
+    assert faulty.seeded_fault == "wrong_offset" and not faulty.ok
+    assert faulty.message.endswith("(ran under the seeded worker fault 'wrong_offset', "
+                                   "$KVCONFORM_WORKER_FAULT: this result speaks for the fault, "
+                                   "not the backend)")
+    assert (l1.clause, l1.status, l1.seeded_fault) == ("KV-L1", "passed", None)
     assert multiprocessing.active_children() == [] and workers._pool is None

@@ -96,7 +96,7 @@ def test_merge_writes_both_hosts(two_reports: tuple[Path, Path], tmp_path: Path)
     assert any(line.startswith("| gpu-box | " + str(gpu)) for line in md)
     assert "**Verdict: qualified** (every host must qualify)" in md
     # The GPU host ran KV-L7: the merged matrix leaves no clause uncovered.
-    assert not any(line.startswith("Not covered by any host") for line in md)
+    assert not any(line.startswith("Not checked by any host") for line in md)
 
 
 def test_merge_reports_uncovered_and_failing_host(tmp_path: Path, capsys: Any) -> None:
@@ -108,7 +108,9 @@ def test_merge_reports_uncovered_and_failing_host(tmp_path: Path, capsys: Any) -
     assert any(line.startswith("| FLASH_ATTN | cpu-box (a.json) |") for line in md)
     assert any(line.startswith("| FLASH_ATTN | cpu-box (b.json) |") for line in md)
     assert "**Verdict: not qualified** (every host must qualify)" in md
-    assert "Not covered by any host: KV-L7" in md
+    assert "Not checked by any host:" in md
+    assert "- KV-L7 for FLASH_ATTN (1 result; hardware skip: no CUDA device)" in md
+    assert "- KV-L7 for FLASH_ATTN (1 result; environment skip: no CUDA device)" in md
 
 
 def test_host_labels_disambiguate_same_file_name() -> None:
@@ -123,13 +125,13 @@ def test_merge_refuses_different_schema(
 ) -> None:
     cpu, gpu = two_reports
     future = json.loads(gpu.read_text())
-    future["schema"] = "pytest-kvconform/report/2"
+    future["schema"] = "pytest-kvconform/report/3"
     future_path = dump(tmp_path / "future.json", future)
     out = tmp_path / "matrix.md"
     assert main(["merge", str(cpu), str(future_path), "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert str(cpu) in err and str(future_path) in err
-    assert "'pytest-kvconform/report/1'" in err and "'pytest-kvconform/report/2'" in err
+    assert f"'{rp.SCHEMA}'" in err and "'pytest-kvconform/report/3'" in err
     assert "schema" in err
     assert not out.exists()
 

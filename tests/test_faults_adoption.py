@@ -14,6 +14,8 @@ instead of paying vllm-omni's import in each.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from pytest_kvconform import fault_seeds, workers
@@ -141,6 +143,27 @@ def test_pattern_at_a_wrong_offset_fails_kv_a3(seed: Seeder, kv_run) -> None:
     expect_run(result, failed=6, clauses=["KV-A3"] * 6, lines=[
         "*KV-A3 violated*first difference at address*(layer 0, block 0, head 0, token 0, "
         "byte 0)*", "*expected: '0x*", "*actual:   '0x0'*"])
+
+
+def test_a_seeded_fault_is_in_the_report_and_in_each_result_it_touched(
+        seed: Seeder, kv_run: Any, pytester: pytest.Pytester) -> None:
+    """Outside strict mode the run goes on: the report names the fault, and the results
+    whose workers ran under it, so KV-A3's failure does not read as FLASH_ATTN's own."""
+    import json
+
+    seed.worker_fault("wrong_offset")
+    result = kv_run(*PAGED, "-k", "(kv_a3 and bf16_h8 and not seam) or kv_l1", "--kv-report",
+                    "r.json")
+    expect_run(result, passed=1, failed=1, clauses=["KV-A3"])
+    result.stdout.fnmatch_lines(["*kvconform: verdict: not qualified (*seeded worker fault "
+                                 "wrong_offset in 1 result(s)*"])
+    report = json.loads((pytester.path / "r.json").read_text())
+    assert report["environment"]["seeded_faults"] == ["wrong_offset"]
+    faults = {r["clause"]: (r["status"], r["seeded_fault"]) for r in report["results"]}
+    assert faults == {"KV-A3": ("failed", "wrong_offset"), "KV-L1": ("passed", None)}
+    markdown = (pytester.path / "r.md").read_text()
+    assert "| seeded worker fault | wrong_offset ($KVCONFORM_WORKER_FAULT) |" in markdown
+    assert "fail (under the seeded worker fault wrong_offset): KV-A3 violated" in markdown
 
 
 @pytest.mark.parametrize("fault", [None, "wrong_offset"])

@@ -395,6 +395,49 @@ def test_killed_run_leaves_no_process(tmp_path: Path, xdist: bool, sig: int) -> 
     assert not any(r["status"] == "passed" and "need_True" in name for name, r in rows.items())
 
 
+@pytest.mark.parametrize("where", ["configure", "sessionstart"])
+def test_ctrl_c_during_start_up_leaves_a_verdict_and_a_report(tmp_path: Path,
+                                                              where: str) -> None:
+    """SIGINT while the run is still starting (before anything was collected): the
+    verdict line, a valid report that says ``interrupted``, and no stale-entry warnings
+    for entries that nothing was matched against yet."""
+    outcome = faultkit.interrupted_at_startup(tmp_path, where)
+    assert outcome.returncode == pytest.ExitCode.INTERRUPTED, outcome.output[-3000:]
+    assert ("kvconform: verdict: interrupted (interrupted: KeyboardInterrupt during start-up, "
+            "before any test was collected") in outcome.output, outcome.output[-3000:]
+    assert "kvconform: report written to r.json and r.md" in outcome.output
+    assert "stale xfail entry" not in outcome.output
+    assert outcome.report_error is None, outcome.report_error
+    assert outcome.report is not None
+    assert outcome.report["verdict"] == "interrupted"
+    assert outcome.report["results"] == []
+    assert outcome.report["run"]["interruption"].startswith("KeyboardInterrupt during start-up")
+    _no_process_left(outcome)
+
+
+@needs_omni
+def test_a_killed_xdist_worker_is_an_error_naming_its_test(tmp_path: Path) -> None:
+    """SIGKILL of the xdist worker running a test: a worker-died error row for that test
+    (and an E in the matrix), the run goes on, and the verdict is not qualified."""
+    outcome = faultkit.xdist_worker_killed(tmp_path)
+    assert outcome.returncode == pytest.ExitCode.TESTS_FAILED, outcome.output[-3000:]
+    rows = _report_ok(outcome)
+    killed = rows[faultkit.KILLED_TEST]
+    assert (killed["status"], killed["error_kind"], killed["clause"], killed["backend"]) == (
+        "error", "worker-died", "KV-L1", "GOOD"), killed
+    assert re.match(r"KV-L1 \[backend=GOOD\]: harness error \(worker-died\): worker 'gw\d' "
+                    r"crashed while running '.*test_kv_l1\[GOOD\]': the xdist worker process "
+                    r"died", killed["reason"]), killed["reason"]
+    assert rows["test_kv_l2[GOOD]"]["status"] == "passed"  # the run went on
+    assert outcome.report is not None
+    assert outcome.report["verdict"] == "not qualified"
+    assert outcome.report["run"]["interruption"] is None
+    assert re.search(r"^GOOD +E +\.", outcome.output, re.MULTILINE), outcome.output[-3000:]
+    assert re.search(r"^kvconform: verdict: not qualified \(.*harness errors \(worker-died\)",
+                     outcome.output, re.MULTILINE), outcome.output[-3000:]
+    _no_process_left(outcome)
+
+
 # --- determinism --------------------------------------------------------------------
 
 DETERMINISM_SELECT = ("--kv-backend", "GOOD", "--kv-backend", "INT_FLAG", "--kv-backend",

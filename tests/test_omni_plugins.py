@@ -53,6 +53,15 @@ def explode():
     raise RuntimeError("oot_kvplugin_broken: boom")
 
 
+def half_then_raise():
+    """Re-points a member, then raises: production never runs with that half-done."""
+    from vllm_omni.diffusion.attention.backends.registry import (
+        DiffusionAttentionBackendEnum, register_diffusion_backend)
+    register_diffusion_backend(DiffusionAttentionBackendEnum.SAGE_ATTN,
+                               "oot_kvplugin_backends.BlockStrideSage")
+    raise RuntimeError("oot_kvplugin_half: gave up")
+
+
 def register_parent_only():
     """A seeded wiring fault: the override is made in the main process only."""
     if multiprocessing.parent_process() is None:
@@ -152,11 +161,15 @@ def test_override_is_checked_in_every_process(with_plugin: pytest.Pytester) -> N
         "vllm_omni.platform_plugins:oot_platform (oot_kvplugin:platform))",
         f"kvconform: override: SAGE_ATTN -> {OVERRIDE} (by distribution {DIST} 0.1, entry "
         "point vllm_omni.general_plugins:oot_kvplugin (oot_kvplugin:register))",
-        "kvconform: WARNING: plugin oot_kvplugin_broken (vllm_omni.general_plugins, "
-        f"{DIST} 0.1) hook raised: RuntimeError: oot_kvplugin_broken: boom; the run goes on*",
+        "kvconform: ERROR: plugin oot_kvplugin_broken (vllm_omni.general_plugins, "
+        f"{DIST} 0.1) hook raised: RuntimeError: oot_kvplugin_broken: boom; production's "
+        "loader calls it unguarded, so a server with it installed fails at start-up*",
         "kvconform: WARNING: plugin oot_kvplugin_missing * failed to load: "
-        "ModuleNotFoundError: *oot_kvplugin_no_such_module*",
+        "ModuleNotFoundError: *oot_kvplugin_no_such_module*; production logs this and starts "
+        "without it, and so does the run",
     ])
+    assert report["verdict"] == "not qualified"
+    assert [f["plugin"] for f in report["startup_failures"]] == ["oot_kvplugin_broken"]
     # the report: path and source per backend, the failures by name
     backends = {b["name"]: b for b in report["backends"]}
     sage = backends["SAGE_ATTN"]
@@ -251,6 +264,71 @@ def test_load_group_records_sources_and_failures(pytester: pytest.Pytester,
     assert "plugin oot_kvplugin_broken" in lines and "hook raised" in lines
 
 
+@needs_omni
+def test_a_hook_that_raises_leaves_no_half_done_override(pytester: pytest.Pytester,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """What is checked is what production would run: never a raising hook's partial work."""
+    from vllm_omni.diffusion.attention.backends.registry import DiffusionAttentionBackendEnum
+    from vllm_omni.plugins import load_omni_plugins_by_group
+
+    from pytest_kvconform import omni_plugins
+
+    group = "kvconform_test.half_plugins"
+    site = install_plugin(pytester.path / "site", f"[{group}]\n"
+                          "oot_kvplugin_half = oot_kvplugin:half_then_raise\n")
+    (site / "oot_kvplugin_backends.py").write_text("class BlockStrideSage: pass\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    member = DiffusionAttentionBackendEnum.SAGE_ATTN
+    load = omni_plugins.PluginLoad()
+    try:
+        omni_plugins._load_group(load, group, load_omni_plugins_by_group)
+        assert not member.is_overridden(), member.get_path()
+    finally:
+        member.clear_override()
+    (record,) = load.plugins
+    assert (record.status, record.changed) == ("hook-failed", ())
+    assert record.error == ("RuntimeError: oot_kvplugin_half: gave up (it had re-pointed "
+                            "SAGE_ATTN: undone)")
+    assert "SAGE_ATTN" not in load.origins
+
+
+# Only a raising hook and a plugin that does not import.
+BROKEN_PLUGINS = """
+[vllm_omni.general_plugins]
+oot_kvplugin_broken = oot_kvplugin:explode
+oot_kvplugin_missing = oot_kvplugin_no_such_module:register
+"""
+
+
+@needs_omni
+def test_a_strict_run_with_a_raising_hook_is_not_qualified_by_name(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server would not start: exit non-zero, the verdict names plugin, distribution and
+    error; the plugin that does not import is production's warning, not a finding."""
+    site = install_plugin(pytester.path / "site", BROKEN_PLUGINS)
+    repo = str(Path(__file__).resolve().parents[1])
+    rest = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), repo, rest])))
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    result, report = _run(pytester, "--kv-strict", "--kv-backend", "TORCH_SDPA", "-k",
+                          "kv_l1", "-p", "no:xdist")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
+    named = (f"plugin oot_kvplugin_broken (vllm_omni.general_plugins, {DIST} 0.1) hook raised "
+             "RuntimeError: oot_kvplugin_broken: boom")
+    result.stdout.fnmatch_lines([
+        "kvconform: WARNING: plugin oot_kvplugin_missing * failed to load: *",
+        f"*kvconform: verdict: not qualified (production would not start: {named}; *"])
+    assert "oot_kvplugin_missing" not in result.stdout.str().split("kvconform: verdict:")[1]
+    assert report["verdict"] == "not qualified"
+    assert report["startup_failures"] == [
+        {"plugin": "oot_kvplugin_broken", "group": "vllm_omni.general_plugins",
+         "distribution": f"{DIST} 0.1", "error": "RuntimeError: oot_kvplugin_broken: boom"}]
+    assert {r["status"] for r in report["results"]} == {"passed"}  # checked without it
+    verdict_section = (pytester.path / "r.md").read_text().split("## Verdict")[1]
+    assert f"- {named}" in verdict_section
+
+
 def test_worker_disagreement_is_a_clause_failure() -> None:
     """KV-A's class check names both paths, from the layers production's worker built."""
     from pytest_kvconform.checks import adoption
@@ -301,5 +379,8 @@ def test_report_carries_origins_and_plugin_outcomes() -> None:
         rp.validate_report(bad)
     header = "\n".join(load.header_lines())
     assert "override: SAGE_ATTN -> pkg.Sage (by distribution pkg 1)" in header
-    assert "WARNING: plugin bad (vllm_omni.general_plugins, pkg 1) hook raised: " \
+    assert "ERROR: plugin bad (vllm_omni.general_plugins, pkg 1) hook raised: " \
         "RuntimeError: boom" in header
+    assert built["verdict"] == "not qualified"
+    assert built["startup_failures"] == [{"plugin": "bad", "group": "vllm_omni.general_plugins",
+                                          "distribution": "pkg 1", "error": "RuntimeError: boom"}]

@@ -84,7 +84,13 @@ def test_build_report_fills_summary_verdict_and_sorts() -> None:
     assert list(report["summary"]["by_clause"]) == ["KV-L1", "KV-L6", "KV-L7", "KV-S1"]
     assert report["summary"]["blocking"] == ["t.py::test_kv_l6[FLASH_ATTN]"]
     assert report["verdict"] == "not qualified"
-    assert report["uncovered"] == ["KV-L7"]
+    assert report["uncovered"] == [
+        {"scope": "backend", "backend": "SAGE", "clauses": ["KV-L1"], "kind": "backend",
+         "declared": [], "reason": "ImportError: sage", "results": 1},
+        {"scope": "clause", "backend": "FLASH_ATTN", "clauses": ["KV-L7"], "kind": "hardware",
+         "declared": [], "reason": "needs a CUDA device", "results": 1},
+    ]
+    assert report["startup_failures"] == []
     assert report["environment"]["options"]["kv_report"] == "out/r.json"
     sage = report["backends"][1]
     assert sage == {
@@ -108,7 +114,7 @@ def test_valid_report_survives_json_roundtrip() -> None:
 @pytest.mark.parametrize(
     ("mutate", "path"),
     [
-        (lambda r: r.__setitem__("schema", "pytest-kvconform/report/2"), "$.schema"),
+        (lambda r: r.__setitem__("schema", "pytest-kvconform/report/1"), "$.schema"),
         (lambda r: r.pop("verdict"), "$.verdict"),
         (lambda r: r.__setitem__("extra", 1), "$.extra"),
         (lambda r: r["results"][2].__setitem__("status", "ok"), "$.results[2].status"),
@@ -157,7 +163,7 @@ def test_verdict_non_strict_only_failures_and_errors_block() -> None:
         result("c", "KV-L3", "skipped", skip_kind="environment"),
         result("d", "KV-L4", "xfailed"),
     ]
-    assert rp.compute_verdict(ok, strict=False) == ("qualified", [])
+    assert rp.compute_verdict(ok, strict=False)[0] == "qualified"
     assert rp.compute_verdict([*ok, result("e", "KV-L5", "error")], strict=False)[0] == (
         "not qualified"
     )
@@ -183,17 +189,26 @@ def test_verdict_strict(extra: dict[str, Any], verdict: str) -> None:
     assert rp.compute_verdict([*base, extra], strict=False)[0] == "qualified"
 
 
-def test_uncovered_lists_hardware_skipped_clauses_in_contract_order() -> None:
+def test_uncovered_lists_unchecked_clauses_in_contract_order() -> None:
     results = [
         result("a", "KV-A6", "skipped", skip_kind="hardware"),
         result("b", "KV-L7", "skipped", skip_kind="hardware"),
         result("c", "KV-L10", "skipped", skip_kind="hardware"),
         result("d", "KV-L7", "skipped", skip_kind="hardware", backend="SAGE"),
-        result("e", "KV-S2", "skipped", skip_kind="environment"),
+        result("e", "KV-S2", "skipped", skip_kind="environment", backend=None),
+        result("f", "KV-L1", "passed"),
+        result("g", "KV-L1", "passed", backend="SAGE"),
+        result("h", "KV-L6", "skipped", skip_kind="not-applicable"),  # nothing to check
     ]
     verdict, uncovered = rp.compute_verdict(results, strict=True)
     assert verdict == "not qualified"  # the environment skip
-    assert uncovered == ["KV-L7", "KV-L10", "KV-A6"]
+    assert [(e["scope"], e["clauses"], e["backend"], e["kind"], e["results"])
+            for e in uncovered] == [
+        ("clause", ["KV-L7"], None, "hardware", 2),  # two rows: no one backend named
+        ("clause", ["KV-L10"], "FLASH_ATTN", "hardware", 1),
+        ("clause", ["KV-S2"], None, "environment", 1),
+        ("clause", ["KV-A6"], "FLASH_ATTN", "hardware", 1),
+    ]
 
 
 def test_empty_run_is_not_qualified() -> None:
@@ -232,7 +247,8 @@ def test_markdown_matrix_with_footnotes_environment_and_verdict() -> None:
     assert "| host | box-a |" in lines
     assert any(line.startswith("| device 0 | cpu, 16.0 GiB") for line in lines)
     assert "**Verdict: not qualified** (non-strict)" in lines
-    assert "Not covered by this host's hardware: KV-L7" in lines
+    assert "- SAGE, every clause (1 result; backend skip: ImportError: sage)" in lines
+    assert "- KV-L7 for FLASH_ATTN (1 result; hardware skip: needs a CUDA device)" in lines
     assert "- `t.py::test_kv_l6[FLASH_ATTN]`" in lines
 
 

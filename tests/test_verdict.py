@@ -7,6 +7,7 @@ each asserting the verdict, the exit code, the message and that the summary prin
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import stat
@@ -15,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform import faults, startup, xfails
+from pytest_kvconform import faults, session_results, startup, xfails
 from pytest_kvconform import report as rp
 from pytest_kvconform.cli import main
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
 from tests.conftest import KV_ARGS, needs_omni
 from tests.report_rows import ENVIRONMENT, backend_record, build, row
-from tests.seeding import backends_conftest
+from tests.seeding import Seeder, backends_conftest
 from tests.standin_backends import Good
 
 # --------------------------------------------------------------------------- verdict
@@ -146,6 +147,137 @@ def test_error_rows_carry_their_kind() -> None:
     bad["results"][0]["error_kind"] = "oom"
     with pytest.raises(rp.ReportError, match=r"results\[0\]\.error_kind: set on a 'passed'"):
         rp.validate_report(bad)
+
+
+# ------------------------------------------------ what the verdict did not check, and why
+
+
+SAGE3_ENTRY = "known.toml:1 SAGE3/*"
+
+
+def _unchecked_run() -> dict[str, Any]:
+    """GOOD passes but for KV-L7 (no CUDA); SAGE3 does not import, declared in the xfails."""
+    results = [
+        row("t::test_kv_l1[GOOD]"),
+        row("t::test_kv_l7[GOOD]", "KV-L7", "skipped", skip_kind="hardware",
+            reason="KV-L7: needs CUDA"),
+        row("t::test_kv_l6[GOOD]", "KV-L6", "skipped", skip_kind="not-applicable",
+            reason="KV-L6: nothing to check"),
+        *(row(f"t::test_kv_{c[3:].lower()}[SAGE3]", c, "skipped", backend="SAGE3",
+              skip_kind="backend", xfail=SAGE3_ENTRY,
+              reason=f"{c}: backend SAGE3 is not importable: ImportError: sageattn3")
+          for c in ("KV-L1", "KV-L7")),
+    ]
+    return build(results, backends=[backend_record("GOOD"), backend_record("SAGE3")])
+
+
+def test_a_qualified_verdict_names_what_it_left_unchecked() -> None:
+    """A backend whose whole row was skipped, and a clause left to missing hardware: in
+    the verdict line, the Markdown's Verdict section and the JSON, with the reason."""
+    report = _unchecked_run()
+    assert report["verdict"] == "qualified"
+    assert report["uncovered"] == [
+        {"scope": "backend", "backend": "SAGE3", "clauses": ["KV-L1", "KV-L7"],
+         "kind": "backend", "declared": [SAGE3_ENTRY],
+         "reason": "backend SAGE3 is not importable: ImportError: sageattn3", "results": 2},
+        {"scope": "clause", "backend": "GOOD", "clauses": ["KV-L7"], "kind": "hardware",
+         "declared": [], "reason": "needs CUDA", "results": 1},
+    ]
+    line = rp.verdict_text(report["verdict"], report["uncovered"], report["selection"],
+                           report["run"], report["results"])
+    assert line == ("qualified (unchecked: SAGE3, every clause (2 results; backend skip, "
+                    "declared: backend SAGE3 is not importable: ImportError: sageattn3); "
+                    "KV-L7 for GOOD (1 result; hardware skip: needs CUDA))")
+    md = rp.render_markdown(report)
+    verdict_section = md.split("## Verdict")[1].split("## Environment")[0]
+    assert ("- SAGE3, every clause (2 results; backend skip, declared: backend SAGE3 is not "
+            "importable: ImportError: sageattn3)") in verdict_section
+    assert "- KV-L7 for GOOD (1 result; hardware skip: needs CUDA)" in verdict_section
+    assert "KV-L6" not in verdict_section  # not applicable: nothing was left unchecked
+    hidden = copy.deepcopy(report)
+    hidden["uncovered"] = hidden["uncovered"][1:]  # as a hand edit would hide the backend
+    with pytest.raises(rp.ReportError, match=r"^\$\.uncovered: expected"):
+        rp.validate_report(hidden)
+    bad = copy.deepcopy(report)
+    bad["uncovered"][0]["scope"] = "host"
+    with pytest.raises(rp.ReportError, match=r"^\$\.uncovered\[0\]\.scope: expected one of"):
+        rp.validate_report(bad)
+
+
+def test_merge_keeps_what_no_host_checked(tmp_path: Path, capsys: Any) -> None:
+    """A GPU host that ran KV-L7 for GOOD covers the CPU host's hardware gap; nobody ran
+    SAGE3."""
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps(_unchecked_run()))
+    gpu_rows = [row("t::test_kv_l7[GOOD]", "KV-L7", device="cuda:0")]
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps(build(gpu_rows, env={**ENVIRONMENT, "host": "gpu"})))
+    assert main(["merge", str(cpu), str(gpu)]) == 0
+    md = capsys.readouterr().out.splitlines()
+    at = md.index("Not checked by any host:")
+    assert md[at + 2:at + 4] == [
+        "- SAGE3, every clause (2 results; backend skip, declared: backend SAGE3 is not "
+        "importable: ImportError: sageattn3)", ""]
+
+
+def _failed_plugin(**changes: Any) -> dict[str, Any]:
+    plugin = {"group": "vllm_omni.general_plugins", "name": "broken", "value": "pkg:explode",
+              "dist": "pkg 1.0", "status": "hook-failed", "error": "RuntimeError: boom",
+              "changed": []}
+    return {"mode": "production", "vllm_plugins": None, "loader": "x", "overrides": {},
+            "origins": {}, "platform": None, "platform_source": None, "notes": [],
+            "plugins": [{**plugin, **changes}]}
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
+def test_a_plugin_hook_that_raises_is_not_qualified_and_named(strict: bool) -> None:
+    """Production's loaders call hooks unguarded: the deployment does not start."""
+    env = {**ENVIRONMENT, "plugins": _failed_plugin()}
+    report = build([row("a"), row("b")], strict=strict, env=env)
+    assert report["verdict"] == "not qualified"
+    assert report["startup_failures"] == [
+        {"plugin": "broken", "group": "vllm_omni.general_plugins", "distribution": "pkg 1.0",
+         "error": "RuntimeError: boom"}]
+    line = rp.verdict_text(report["verdict"], report["uncovered"], report["selection"],
+                           report["run"], report["results"], report["startup_failures"])
+    assert line == ("not qualified (production would not start: plugin broken "
+                    "(vllm_omni.general_plugins, pkg 1.0) hook raised RuntimeError: boom)")
+    verdict_section = rp.render_markdown(report).split("## Verdict")[1]
+    assert ("- plugin broken (vllm_omni.general_plugins, pkg 1.0) hook raised RuntimeError: "
+            "boom") in verdict_section
+    dropped = copy.deepcopy(report)
+    dropped["startup_failures"] = []
+    with pytest.raises(rp.ReportError, match=r"^\$\.startup_failures: expected \[\{'plugin': "
+                                             r"'broken'"):
+        rp.validate_report(dropped)
+    # A plugin that fails to import is what production logs and skips: not a finding.
+    skipped = {**ENVIRONMENT, "plugins": _failed_plugin(status="load-failed")}
+    assert build([row("a")], strict=strict, env=skipped)["verdict"] == "qualified"
+
+
+def test_results_under_a_seeded_fault_are_named_and_block() -> None:
+    """A result whose workers ran under $KVCONFORM_WORKER_FAULT speaks for the fault."""
+    results = [row("a"), row("b", "KV-A3", "failed", reason="KV-A3 violated",
+                             seeded_fault="wrong_offset")]
+    env = {**ENVIRONMENT, "seeded_faults": ["wrong_offset"]}
+    report = build(results, strict=False, env=env)
+    assert report["verdict"] == "not qualified"
+    assert report["summary"]["blocking"] == ["b"]
+    line = rp.verdict_text(report["verdict"], report["uncovered"], report["selection"],
+                           report["run"], report["results"])
+    assert "seeded worker fault wrong_offset in 1 result(s)" in line
+    md = rp.render_markdown(report)
+    assert "| seeded worker fault | wrong_offset ($KVCONFORM_WORKER_FAULT) |" in md
+    assert "[^1]: fail (under the seeded worker fault wrong_offset): KV-A3 violated" in md
+    assert "Seeded worker fault `wrong_offset` (`$KVCONFORM_WORKER_FAULT`) was active: 1 " \
+        "result(s)" in md
+    passing = build([row("a", seeded_fault="wrong_offset")], env=env)
+    assert passing["verdict"] == "not qualified"  # even a pass qualifies nothing under it
+    unrecorded = copy.deepcopy(report)
+    del unrecorded["environment"]["seeded_faults"]
+    with pytest.raises(rp.ReportError, match=r"results\[1\]\.seeded_fault: 'wrong_offset' is "
+                                             r"not in \$\.environment\.seeded_faults"):
+        rp.validate_report(unrecorded)
 
 
 # --------------------------------------------------------------------------- faults
@@ -338,6 +470,70 @@ def test_interrupted_run_says_interrupted(pytester: pytest.Pytester) -> None:
     assert (data["verdict"], data["run"]["interruption"]) == ("interrupted", "KeyboardInterrupt")
     assert data["summary"]["total"] == 1
     assert "Interrupted: KeyboardInterrupt." in (pytester.path / "r.md").read_text()
+
+
+def _interrupt(*args: Any, **kwargs: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_before_the_results_plugin_exists_still_reports(
+        pytester: pytest.Pytester, seed: Seeder) -> None:
+    """The first thing the plugin does, its start-up checks, interrupted: still a verdict
+    line and a valid report (the run is in this process, so the seed reaches it)."""
+    seed.replace("pytest_kvconform.startup.check_report_path", _interrupt)
+    result = pytester.runpytest(*KV_ARGS, "--kv-report", "r.json", no_reraise_ctrlc=True)
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines(["kvconform: verdict: interrupted (interrupted: "
+                                 "KeyboardInterrupt during start-up, before any test was "
+                                 "collected*", "kvconform: report written to r.json and r.md"])
+    data = json.loads((pytester.path / "r.json").read_text())
+    rp.validate_report(data)
+    assert (data["verdict"], data["results"]) == ("interrupted", [])
+
+
+# Ctrl-C as collection starts: nothing was matched against the xfail entries yet.
+CTRL_C_COLLECTING = '''
+
+class _CtrlC:
+    def pytest_collectstart(self, collector):
+        raise KeyboardInterrupt
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_CtrlC())
+'''
+
+
+def test_ctrl_c_before_collection_warns_of_no_stale_entry(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CTRL_C_COLLECTING)
+    known = pytester.makefile(".toml", known='''
+        [[xfail]]
+        backend = "*"
+        clause = "KV-L8"
+        reason = "would match, had collection run"
+    ''')
+    result = pytester.runpytest(*KV_ARGS, "--kv-xfails", str(known), "--kv-report", "r.json",
+                                no_reraise_ctrlc=True)
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines(["*kvconform: verdict: interrupted (interrupted: "
+                                 "KeyboardInterrupt*"])
+    assert "stale xfail entry" not in result.stdout.str()
+    rp.validate_report(json.loads((pytester.path / "r.json").read_text()))
+
+
+def test_a_crashed_tests_properties_are_read_back_from_its_id() -> None:
+    """xdist reports a dead worker's test by id alone when it died in set-up."""
+    known = {"backends": ["FLASH_ATTN", "FLASH_ATTN_3_HUB"], "layouts": ["LBNHC", "BLNHC"],
+             "cases": ["bf16_h8", "ws2"], "device": "cpu"}
+    props = session_results.properties_from_id(
+        "suite/test_table.py::test_kv_a2[FLASH_ATTN_3_HUB-ws2]", **known)
+    assert props == [("kv_clause", "KV-A2"), ("kv_backend", "FLASH_ATTN_3_HUB"),
+                     ("kv_layout", None), ("kv_case", "ws2"), ("kv_device", "cpu")]
+    props = session_results.properties_from_id("s.py::test_kv_s1[BLNHC-bf16_h8]", **known)
+    assert dict(props or [])["kv_layout"] == "BLNHC"
+    seam = session_results.properties_from_id("s.py::test_kv_a3_seam[need_True-ws2]", **known)
+    assert dict(seam or [])["kv_backend"] == "need_True"
+    assert session_results.properties_from_id("t.py::test_other[x]", **known) is None
 
 
 @needs_omni
