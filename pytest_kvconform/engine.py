@@ -24,7 +24,7 @@ its rank's config).  No other copy of production's sequence exists here.
 The harness owns only lifetime, placement and observation
 (``worker_extension.Observation``).  This module runs inside KV-A worker processes
 and, for a multi-process topology on the ``runner`` path, its control-plane half
-runs in the test process (``control_plane.PipeExecutor``).  vLLM and vllm-omni are
+runs in the test process (``deployment.PipeExecutor``).  vLLM and vllm-omni are
 imported lazily.
 """
 
