@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
+import sys
 from collections.abc import Iterator, Mapping
 
 DEFAULTS: Mapping[str, str] = {
@@ -59,12 +61,39 @@ def header_line(added: list[str]) -> str | None:
 
 @contextlib.contextmanager
 def applied(defaults: Mapping[str, str] = DEFAULTS) -> Iterator[list[str]]:
-    """:func:`apply` for the duration of a ``with`` block."""
+    """:func:`apply` for the duration of a ``with`` block, a vLLM imported before it quieted
+    too (:func:`loaded_vllm_quieted`)."""
     added = apply(defaults)
     try:
-        yield added
+        with loaded_vllm_quieted(added):
+            yield added
     finally:
         restore(added)
+
+
+@contextlib.contextmanager
+def loaded_vllm_quieted(added: list[str]) -> Iterator[None]:
+    """The ``vllm`` logger at ``VLLM_LOGGING_LEVEL``'s default for the block, when this run
+    set that variable and vLLM is already imported.
+
+    vLLM reads the variable once, when it is imported: a script that imported vLLM or
+    vllm-omni before calling ``check_backend`` would otherwise get an INFO line for every
+    config the checks build.  vllm-omni's loggers propagate to ``vllm``'s.  Left alone
+    when the user chose a level, or configures logging themselves
+    (``VLLM_CONFIGURE_LOGGING=0``).
+    """
+    name = "VLLM_LOGGING_LEVEL"
+    if name not in added or "vllm.logger" not in sys.modules or \
+            os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
+        yield
+        return
+    logger = logging.getLogger("vllm")
+    before = logger.level
+    logger.setLevel(os.environ[name])
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def freeze_heap() -> int:

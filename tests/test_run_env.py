@@ -73,3 +73,31 @@ def test_freeze_and_thaw_the_heap() -> None:
     finally:
         run_env.thaw_heap()
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("user_level", [None, "INFO"], ids=["unset", "user_set"])
+def test_applied_quiets_a_vllm_imported_before_it(
+        monkeypatch: pytest.MonkeyPatch, user_level: str | None) -> None:
+    """vLLM reads VLLM_LOGGING_LEVEL at import only: a vLLM already loaded gets the level."""
+    import logging
+    import sys
+    import types
+
+    if user_level is None:
+        monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", user_level)
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    monkeypatch.setitem(sys.modules, "vllm.logger", sys.modules.get("vllm.logger")
+                        or types.ModuleType("vllm.logger"))
+    vllm_logger = logging.getLogger("vllm")
+    config_logger = logging.getLogger("vllm.config.kvconform_test")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.INFO)  # as vLLM configured it, imported with nothing set
+    try:
+        with run_env.applied():
+            assert config_logger.isEnabledFor(logging.INFO) is (user_level == "INFO")
+            assert config_logger.isEnabledFor(logging.WARNING)
+        assert vllm_logger.level == logging.INFO and config_logger.isEnabledFor(logging.INFO)
+    finally:
+        vllm_logger.setLevel(level)
