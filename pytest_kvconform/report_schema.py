@@ -48,7 +48,10 @@ BACKEND_KEYS = ("name", "path", "source", "overridden", "importable", "reason")
 # origin: "in-tree", or the distribution / entry point whose plugin re-pointed the member.
 BACKEND_OPTIONAL_KEYS = ("origin",)
 # plugins: what loading vLLM / vllm-omni plugins did (omni_plugins.PluginLoad.as_dict()).
-ENV_OPTIONAL_KEYS = ("plugins",)
+# import_log: what importing the serving stack printed during discovery, one
+# {"level", "text"} per message (run_env.import_messages).
+ENV_OPTIONAL_KEYS = ("plugins", "import_log")
+IMPORT_LOG_KEYS = ("level", "text")
 RESULT_KEYS = (
     "nodeid", "backend", "clause", "case", "layout", "device", "status", "reason", "duration_s",
 )
@@ -196,6 +199,13 @@ def _validate_environment(env: Any) -> None:
     _expect_keys(env, "$.environment", ENV_KEYS, ENV_OPTIONAL_KEYS)
     if "plugins" in env:
         _expect_type(env["plugins"], "$.environment.plugins", dict)
+    if "import_log" in env:
+        _expect_type(env["import_log"], "$.environment.import_log", list)
+        for i, message in enumerate(env["import_log"]):
+            where = f"$.environment.import_log[{i}]"
+            _expect_keys(message, where, IMPORT_LOG_KEYS)
+            _expect_type(message["level"], f"{where}.level", str, none=True)
+            _expect_type(message["text"], f"{where}.text", str)
     _expect_type(env["python"], "$.environment.python", str)
     for key in ("torch", "vllm", "vllm_omni"):
         _expect_type(env[key], f"$.environment.{key}", str, none=True)

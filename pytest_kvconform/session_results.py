@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvconform import run_env
 from pytest_kvconform.faults import ERROR_KIND_PROPERTY, harness_kind
 from pytest_kvconform.model import SKIP_KIND_PROPERTY, ResultRow
 from pytest_kvconform.options import Options
@@ -151,6 +152,9 @@ class KvResults:
         plugins = self.selection.plugins_record()
         if plugins is not None:
             environment["plugins"] = plugins
+        import_log = self.selection.import_log_record()
+        if import_log is not None:
+            environment[run_env.IMPORT_LOG_KEY] = import_log
         self.built_report = report_mod.build_report(
             environment=environment, backends=self.selection.backend_dicts(), results=results,
             options=self.options.raw, strict=strict, selection=selection, run=run)
