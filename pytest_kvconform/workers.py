@@ -420,11 +420,11 @@ class WorkerHandle:
             pass
         if not self.started:
             return "(the worker never started)"
-        early = "the worker died before its own start-up code ran (while multiprocessing " \
-                "prepared it)"
+        early = "the worker died before it opened its own log (while multiprocessing " \
+                "prepared it, or in its first steps)"
         if self.method == "forkserver":
-            return f"({early}; its output, from the fork server's log:)\n" + \
-                (forkserver.log_since(self._server_log_at, chars) or "(empty)")
+            return f"({early}; what it printed, from the fork server's log:)\n" + \
+                (forkserver.log_since(self._server_log_at, chars) or "(nothing)")
         return f"({early}; a spawned worker prints that on this process's stderr)"
 
     # -- commands --
