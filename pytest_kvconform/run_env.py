@@ -167,27 +167,38 @@ def captured_output() -> Iterator[list[dict[str, Any]]]:
     At the descriptor level, so logging handlers a library creates meanwhile (vLLM's, at
     its import) keep the real ``sys.stdout`` and print to the terminal afterwards, and
     C-level writes are caught too.  Python's streams are flushed on both sides, so no
-    buffered text crosses the boundary.  Without both descriptors, nothing is captured.
+    buffered text crosses the boundary.  When the block raises, what it printed goes to
+    stderr as well: it may explain the error.  Without both descriptors, nothing is captured.
     """
     found: list[dict[str, Any]] = []
     _flush()
+    saved: list[int] = []
     try:
-        saved = [os.dup(1), os.dup(2)]
+        saved += [os.dup(1), os.dup(2)]
     except OSError:
+        for fd in saved:
+            os.close(fd)
         yield found
         return
     with tempfile.TemporaryFile() as sink:
         os.dup2(sink.fileno(), 1)
         os.dup2(sink.fileno(), 2)
+        failed = True
         try:
             yield found
+            failed = False
         finally:
             _flush()
             for fd, copy in zip((1, 2), saved, strict=True):
                 os.dup2(copy, fd)
                 os.close(copy)
             sink.seek(0)
-            found.extend(import_messages(sink.read().decode("utf-8", "replace")))
+            text = sink.read().decode("utf-8", "replace")
+            found.extend(import_messages(text))
+            if failed and text:
+                with contextlib.suppress(Exception):
+                    sys.stderr.write(text)
+                    sys.stderr.flush()
 
 
 def _flush() -> None:

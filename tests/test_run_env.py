@@ -168,6 +168,31 @@ print("found", [m["text"] for m in found], flush=True)
 '''
 
 
+FAILING_CAPTURE = r'''
+from pytest_kvconform import run_env
+
+try:
+    with run_env.captured_output():
+        print("why it failed")
+        raise ValueError("boom")
+except ValueError:
+    print("raised", flush=True)
+'''
+
+
+def test_captured_output_of_a_block_that_raises_still_reaches_stderr() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", FAILING_CAPTURE], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "raised\n", "why it failed\n")
+
+
 def test_captured_output_takes_what_the_block_prints_and_nothing_after() -> None:
     import subprocess
     import sys
