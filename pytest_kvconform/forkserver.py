@@ -223,6 +223,30 @@ def log_tail(chars: int = 2000) -> str:
         return "(no fork server log)"
 
 
+def log_size() -> int:
+    """The server log's size now: where a worker forked next starts writing to it."""
+    if _dir is None:
+        return 0
+    try:
+        return os.path.getsize(os.path.join(_dir, LOG_FILE))
+    except OSError:
+        return 0
+
+
+def log_since(offset: int, chars: int = 2000) -> str:
+    """What the server's log got from ``offset`` on (its last ``chars``): a forked worker's
+    output before it opened its own log (``workers.py``)."""
+    if _dir is None:
+        return ""
+    try:
+        with open(os.path.join(_dir, LOG_FILE), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(offset, f.tell() - chars))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def stop() -> None:
     """Kill the server (its workers die with it, by their parent-death signal) and reap it;
     detach from it if it is another process's."""

@@ -270,6 +270,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     env_rows += [(f"device {i}", device_text(d)) for i, d in enumerate(env["devices"])]
     env_rows += [("options", json.dumps(env["options"], sort_keys=True))]
     lines += markdown_table(["key", "value"], env_rows)
+    lines += _import_log_lines(env.get("import_log"))
     if report["backends"]:
         lines += ["", "## Backends", ""]
         lines += markdown_table(
@@ -284,6 +285,21 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if footnotes:
         lines += ["", *footnotes]
     return "\n".join(lines) + "\n"
+
+
+def _import_log_lines(messages: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    """The Markdown's account of what importing the serving stack printed (kept out of the
+    terminal's header): every message, verbatim."""
+    if not messages:
+        return []
+    fence = "````"  # longer than any fence a message could hold, in practice
+    lines = ["", "### Output of the serving stack's imports", "",
+             f"{len(messages)} message{'s' if len(messages) != 1 else ''} printed while "
+             f"vLLM / vllm-omni were imported for discovery: the installed stack's own, not "
+             f"findings of this run.", "", fence + "text"]
+    for message in messages:
+        lines += str(message["text"]).splitlines()
+    return [*lines, fence]
 
 
 def _plugin_lines(plugins: Mapping[str, Any] | None,

@@ -55,8 +55,11 @@ BACKEND_KEYS = ("name", "path", "source", "overridden", "importable", "reason")
 # origin: "in-tree", or the distribution / entry point whose plugin re-pointed the member.
 BACKEND_OPTIONAL_KEYS = ("origin",)
 # plugins: what loading vLLM / vllm-omni plugins did (omni_plugins.PluginLoad.as_dict());
-# seeded_faults: the $KVCONFORM_WORKER_FAULT values the run's KV-A workers ran under.
-ENV_OPTIONAL_KEYS = ("plugins", "seeded_faults")
+# seeded_faults: the $KVCONFORM_WORKER_FAULT values the run's KV-A workers ran under;
+# import_log: what importing the serving stack printed during discovery, one
+# {"level", "text"} per message (run_env.import_messages).
+ENV_OPTIONAL_KEYS = ("plugins", "seeded_faults", "import_log")
+IMPORT_LOG_KEYS = ("level", "text")
 RESULT_KEYS = (
     "nodeid", "backend", "clause", "case", "layout", "device", "status", "reason", "duration_s",
 )
@@ -249,6 +252,13 @@ def _validate_environment(env: Any) -> None:
         _expect_type(env["seeded_faults"], "$.environment.seeded_faults", list)
         for i, fault in enumerate(env["seeded_faults"]):
             _expect_type(fault, f"$.environment.seeded_faults[{i}]", str)
+    if "import_log" in env:
+        _expect_type(env["import_log"], "$.environment.import_log", list)
+        for i, message in enumerate(env["import_log"]):
+            where = f"$.environment.import_log[{i}]"
+            _expect_keys(message, where, IMPORT_LOG_KEYS)
+            _expect_type(message["level"], f"{where}.level", str, none=True)
+            _expect_type(message["text"], f"{where}.text", str)
     _expect_type(env["python"], "$.environment.python", str)
     for key in ("torch", "vllm", "vllm_omni"):
         _expect_type(env[key], f"$.environment.{key}", str, none=True)

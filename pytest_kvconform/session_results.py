@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvconform import run_env
 from pytest_kvconform.faults import ERROR_KIND_PROPERTY, harness_kind
 from pytest_kvconform.model import (
     SEEDED_FAULT_PROPERTY,
@@ -270,6 +271,9 @@ class KvResults:
         faults = _seeded_faults(results)
         if faults:
             environment["seeded_faults"] = faults
+        import_log = self.selection.import_log_record()
+        if import_log is not None:
+            environment[run_env.IMPORT_LOG_KEY] = import_log
         self.built_report = report_mod.build_report(
             environment=environment, backends=self.selection.backend_dicts(), results=results,
             options=self.options.raw, strict=strict, selection=selection, run=run)

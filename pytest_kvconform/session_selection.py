@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import cases as cases_mod
-from pytest_kvconform import compat
+from pytest_kvconform import compat, run_env
 from pytest_kvconform.discovery import Discovery, DiscoveryError, describe_error, discover
 from pytest_kvconform.model import BackendUnderTest, Case, clause_from_test_name
 from pytest_kvconform.omni_plugins import load_plugins
@@ -67,6 +67,8 @@ class KvSelection:
         self.discovery_seconds = 0.0
         self.all_backend_names: set[str] = set()
         self.plugins: Any = None  # omni_plugins.PluginLoad, after start()
+        # What discovery's imports printed (run_env.import_messages); None until it ran.
+        self.import_log: list[dict[str, Any]] | None = None
         # An xdist controller discovers nothing itself (issue 12: that import would come
         # before any worker starts); its workers hand theirs over (pytest_testnodedown).
         self.remote = False
@@ -104,7 +106,9 @@ class KvSelection:
         started = time.monotonic()
         hook_results = self._hook_backends()
         try:
-            with warnings.catch_warnings():
+            # What the serving stack's imports print is kept for the header and the report
+            # (run_env.captured_output), not printed before the session header.
+            with warnings.catch_warnings(), run_env.captured_output() as self.import_log:
                 # Importing backends imports torch and vLLM, whose own deprecation
                 # warnings would otherwise print before the session starts.
                 warnings.simplefilter("ignore", DeprecationWarning)
@@ -150,7 +154,13 @@ class KvSelection:
                     cases]
         plugin_lines = self.plugins.header_lines() if self.plugins is not None else []
         return [self._backends_line(self.backend_dicts(), "", self.discovery_seconds), cases,
-                *self._detail_lines(self.discovery.notes, plugin_lines)]
+                *self._detail_lines(self.discovery.notes, plugin_lines),
+                *self._import_log_lines(self.import_log)]
+
+    def _import_log_lines(self, messages: list[dict[str, Any]] | None) -> list[str]:
+        return run_env.import_log_lines(messages or [],
+                                        verbose=self.config.getoption("verbose", 0) > 0,
+                                        report=self.options.report is not None)
 
     def discovery_lines(self) -> list[str]:
         """An xdist controller's account of its workers' discovery (the summary's header)."""
@@ -163,6 +173,7 @@ class KvSelection:
         lines = [self._backends_line(found["backends"], " by the xdist workers",
                                      found["seconds"]),
                  *self._detail_lines(found["notes"], found["plugin_lines"]),
+                 *self._import_log_lines(found.get(run_env.IMPORT_LOG_KEY)),
                  *self.remote_notes]
         if found["import_error"]:
             lines.append(import_error_line(found["import_error"]))
@@ -184,7 +195,8 @@ class KvSelection:
                 "notes": list(self.discovery.notes), "seconds": self.discovery_seconds,
                 "plugins": self.plugins.as_dict() if self.plugins is not None else None,
                 "plugin_lines": self.plugins.header_lines() if self.plugins is not None else [],
-                "import_error": compat.production_import_error()}
+                "import_error": compat.production_import_error(),
+                run_env.IMPORT_LOG_KEY: self.import_log}
 
     def adopt_worker_discovery(self, node: str, found: dict[str, Any]) -> None:
         """xdist controller: the first worker's discovery is the run's; a worker that
@@ -326,6 +338,14 @@ class KvSelection:
 
     def backend_names(self) -> list[str]:
         return [b["name"] for b in self.backend_dicts()]
+
+    def import_log_record(self) -> list[dict[str, Any]] | None:
+        """What the serving stack's imports printed during this run's discovery (an xdist
+        worker's, for its controller); None when no discovery ran here."""
+        if self.remote:
+            found = self.remote_discovery or {}
+            return found.get(run_env.IMPORT_LOG_KEY)
+        return self.import_log
 
     def plugins_record(self) -> dict[str, Any] | None:
         """The plugin load (omni_plugins.PluginLoad.as_dict) this run's tests saw."""

@@ -81,10 +81,12 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
 import traceback
+import types
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -257,6 +259,7 @@ class WorkerHandle:
         lifeline, self._lifeline = multiprocessing.Pipe(duplex=False)
         self._child_ends = (child_conn, lifeline)
         self.started = False
+        self._server_log_at = 0  # the fork server's log size when this worker was forked
         self.killed = False
         self.ready = False
         self.info: dict[str, Any] = {}
@@ -287,7 +290,10 @@ class WorkerHandle:
             name=f"kvconform-worker-{self.label}", daemon=True)
 
     def _start(self) -> None:
-        self.process.start()
+        if self.method == "forkserver":  # where its output goes until it opens its own log
+            self._server_log_at = forkserver.log_size()
+        with _caller_main_hidden():
+            self.process.start()
         self.started = True
         for end in self._child_ends:
             end.close()
@@ -398,13 +404,26 @@ class WorkerHandle:
                           f"--- worker stderr (tail) ---\n{self.stderr_tail()}")
 
     def stderr_tail(self, chars: int = _STDERR_TAIL_CHARS) -> str:
+        """The end of the worker's log; before the worker opened it, what it printed first.
+
+        Until ``_worker_main`` opens the log, a forked worker writes to the fork server's
+        log (from where it was forked on) and a spawned one to this process's stderr.
+        """
         try:
             with open(self.stderr_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - chars))
                 return f.read().decode("utf-8", "replace")
         except OSError:
-            return "(no stderr captured)"
+            pass
+        if not self.started:
+            return "(the worker never started)"
+        early = "the worker died before it opened its own log (while multiprocessing " \
+                "prepared it, or in its first steps)"
+        if self.method == "forkserver":
+            return f"({early}; what it printed, from the fork server's log:)\n" + \
+                (forkserver.log_since(self._server_log_at, chars) or "(nothing)")
+        return f"({early}; a spawned worker prints that on this process's stderr)"
 
     # -- commands --
 
@@ -459,6 +478,27 @@ class WorkerHandle:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(2)
+
+
+@contextlib.contextmanager
+def _caller_main_hidden() -> Iterator[None]:
+    """Start a worker without multiprocessing re-running the caller's main module in it.
+
+    A spawned or forkserver child imports its parent's ``__main__`` (as ``__mp_main__``)
+    before its target runs, so a script calling ``check_backend`` at module level,
+    without an ``if __name__ == "__main__":`` guard, would call it again in every
+    worker, and the worker would die at start-up.  A worker's target and arguments all
+    come from this package: its child never needs the caller's main module.
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")  # no __file__, no __spec__
+    try:
+        yield
+    finally:
+        if main is None:
+            sys.modules.pop("__main__", None)
+        else:
+            sys.modules["__main__"] = main
 
 
 class WorkerPool:
@@ -616,7 +656,7 @@ def drop_speculative(keep: Iterable[tuple[str, int]] = ()) -> int:
 class KvWorkers:
     """``kv_workers(n)``: n pooled worker processes, one per device, rank order.
 
-    Each ``adopt_and_init`` starts from the worker's own fresh, unpinned config.
+    Each deployment starts from its workers' own fresh, unpinned configs.
     ``for_world_size(n)`` returns :class:`Unplaceable` (the reason) instead of skipping.
     """
 

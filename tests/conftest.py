@@ -88,6 +88,12 @@ def import_what_runs_import() -> None:
         load_general_plugins()  # vllm-omni's model registrations, once per process
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "delivers_signal: the test needs a signal delivered to a process "
+        "(tests/test_signal_dispositions.py runs these with SIGINT inherited ignored)")
+
+
 @pytest.fixture(scope="session")
 def _run_imports_done() -> None:
     import_what_runs_import()

@@ -17,7 +17,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,13 +158,33 @@ def _start(workdir: Path, args: Sequence[str], extra_env: dict[str, str] | None 
 
 
 def _interruptible() -> None:
-    """In the child before exec: SIGINT back to its default, as in a terminal.
+    """In the child before exec: SIGINT back to its default and unblocked, as in a terminal.
 
     A job started in the background by a non-interactive shell (``cmd &``, as a
     benchmark often is) inherits SIGINT *ignored*; Python then installs no
-    KeyboardInterrupt handler, and the scenarios' Ctrl-C would never arrive.
+    KeyboardInterrupt handler, and the scenarios' Ctrl-C would never arrive.  A
+    blocked SIGINT (the signal mask survives ``exec``) would hold it back the same way.
     """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@contextmanager
+def sigint_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt in this thread, whatever this process inherited.
+
+    Python installs its KeyboardInterrupt handler only when SIGINT was not ignored at
+    start-up, and a blocked SIGINT is never delivered: a test that sends itself SIGINT
+    installs the handler and unblocks the signal for its own duration, then puts back
+    what it found.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
 
 
 def _finish(name: str, proc: subprocess.Popen[str], piddir: Path, started: float,

@@ -180,3 +180,37 @@ def test_adoption_clauses_run_in_workers_and_see_a_seeded_fault(seed: Seeder) ->
                                    "not the backend)")
     assert (l1.clause, l1.status, l1.seeded_fault) == ("KV-L1", "passed", None)
     assert multiprocessing.active_children() == [] and workers._pool is None
+
+
+UNGUARDED_SCRIPT = textwrap.dedent("""
+    import json
+    from vllm_omni.diffusion.attention.backends.registry import DiffusionAttentionBackendEnum as E
+    from pytest_kvconform import check_backend
+
+    print("=== check_backend starts", flush=True)
+    # At module level, no `if __name__ == "__main__":` guard: the KV-A workers must not
+    # run this again.
+    results = check_backend(E.TORCH_SDPA.get_class(), cases=["bf16_h8"],
+                            clauses=["KV-L2", "KV-A2"], device="cpu")
+    print(json.dumps([[r.test, r.status, r.message[:300]] for r in results]), flush=True)
+""")
+
+
+@needs_omni
+def test_check_backend_from_a_plain_script_without_a_main_guard(tmp_path: Path) -> None:
+    """KV-A runs (its workers do not re-run the script), and vLLM, imported by the script
+    before the call, logs no INFO line during it."""
+    script = tmp_path / "check.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KVCONFORM_", "VLLM_LOGGING", "VLLM_CONFIGURE"))}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    during = proc.stdout.partition("=== check_backend starts\n")[2].splitlines()
+    rows = json.loads(during[-1])
+    assert {status for _, status, _ in rows} == {"passed"}, rows
+    assert any(test == "test_kv_a2[TORCH_SDPA-bf16_h8]" for test, _, _ in rows), rows
+    assert not [line for line in during if line.startswith("INFO")], during[:20]

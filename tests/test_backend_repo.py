@@ -28,6 +28,7 @@ SOURCE_IGNORE = shutil.ignore_patterns(".git", ".tox", "__pycache__", "build", "
                                        "*.egg-info", ".pytest_cache", ".ruff_cache",
                                        ".mypy_cache", "report.json", "report.md", "tests")
 OWN = ("pytest_kvconform", "conformance_cases", "__editable__")
+SHARED_ENV_PTH = "kvconform-shared-env.pth"  # toxfile.LINK_PTH
 
 
 def _run(argv: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -37,16 +38,24 @@ def _run(argv: list[str], cwd: Path, timeout: float = 600) -> subprocess.Complet
 
 
 def _venv_reusing_this_environment(venv: Path) -> Path:
-    """A venv whose site-packages links to this environment's, except our own package."""
+    """A venv whose site-packages links to this environment's, except our own package.
+
+    Every site-packages this interpreter sees: a clone's tox environment holds only the
+    editable install and sees the shared environment's through a .pth file (toxfile.py),
+    which is not linked, so no install of this package comes in through it.
+    """
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
                       "['purelib'])"], cwd=venv).stdout.strip())
-    ours = Path(sysconfig.get_paths()["purelib"])
-    for entry in ours.iterdir():
-        if entry.name.startswith(OWN) or (site / entry.name).exists():
-            continue
-        (site / entry.name).symlink_to(entry)
+    ours = [Path(sysconfig.get_paths()["purelib"])]
+    ours += [Path(p) for p in sys.path if p.endswith("site-packages") and Path(p) not in ours]
+    for where in ours:
+        for entry in where.iterdir():
+            if entry.name.startswith(OWN) or entry.name == SHARED_ENV_PTH or \
+                    (site / entry.name).exists():
+                continue
+            (site / entry.name).symlink_to(entry)
     return python
 
 

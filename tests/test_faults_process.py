@@ -183,6 +183,7 @@ def test_worker_killed_mid_command_is_worker_died(pool: workers.WorkerPool,
     assert pool.get(["cpu"])[0].ping()["pid"] != handle.pid
 
 
+@pytest.mark.delivers_signal
 def test_interrupted_wait_kills_the_worker(pool: workers.WorkerPool,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while waiting: the worker is killed, so no stale reply meets the next request."""
@@ -191,9 +192,12 @@ def test_interrupted_wait_kills_the_worker(pool: workers.WorkerPool,
     handle.send({"cmd": "engine_run"})
     timer = threading.Timer(0.5, lambda: signal.pthread_kill(threading.main_thread().ident or 0,
                                                              signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        handle.receive("engine_run", timeout=30)
+    with faultkit.sigint_raises(), pytest.raises(KeyboardInterrupt):
+        timer.start()
+        try:
+            handle.receive("engine_run", timeout=30)
+        finally:
+            timer.cancel()
     assert not handle.alive
 
 
@@ -376,6 +380,7 @@ def test_blocking_declaration_is_an_error_and_the_run_goes_on(
 
 
 @needs_omni
+@pytest.mark.delivers_signal
 @pytest.mark.parametrize("xdist", [False, True], ids=["serial", "xdist"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
 def test_killed_run_leaves_no_process(tmp_path: Path, xdist: bool, sig: int) -> None:

@@ -431,3 +431,29 @@ def test_backend_record_is_written_once() -> None:
     assert rp._backend_record(b) == {k: v for k, v in b.record().items() if k != "origin"}
     with_origin = BackendUnderTest("Y", "pkg.Y", "platform", origin="dist:ep")
     assert rp._backend_record(with_origin) == with_origin.record()
+
+
+IMPORT_LOG = [{"level": "WARNING", "text": "WARNING [sage_attn.py:46] SageAttentionBackend is "
+               "not available."},
+              {"level": None, "text": "Traceback (most recent call last):\n  File \"x.py\"\n"
+               "ValueError: boom"}]
+
+
+def test_the_import_log_is_an_optional_environment_record_shown_in_the_markdown() -> None:
+    report = copy.deepcopy(build())
+    assert "import_log" not in report["environment"]
+    rp.validate_report(report)
+    report["environment"]["import_log"] = IMPORT_LOG
+    rp.validate_report(json.loads(json.dumps(report)))
+    md = rp.render_markdown(report)
+    section = md.split("### Output of the serving stack's imports", 1)[1].split("\n## ", 1)[0]
+    assert "2 messages printed while vLLM / vllm-omni were imported" in section
+    assert "SageAttentionBackend is not available." in section and "ValueError: boom" in section
+    for bad, path in ((["text"], "$.environment.import_log[0]"),
+                      ([{"level": 3, "text": "x"}], "$.environment.import_log[0].level"),
+                      ([{"level": None, "text": "x", "pid": 1}],
+                       "$.environment.import_log[0].pid")):
+        report["environment"]["import_log"] = bad
+        with pytest.raises(rp.ReportError) as info:
+            rp.validate_report(report)
+        assert info.value.path == path

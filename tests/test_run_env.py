@@ -73,3 +73,187 @@ def test_freeze_and_thaw_the_heap() -> None:
     finally:
         run_env.thaw_heap()
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("user_level", [None, "INFO"], ids=["unset", "user_set"])
+def test_applied_quiets_a_vllm_imported_before_it(
+        monkeypatch: pytest.MonkeyPatch, user_level: str | None) -> None:
+    """vLLM reads VLLM_LOGGING_LEVEL at import only: a vLLM already loaded gets the level."""
+    import logging
+    import sys
+    import types
+
+    if user_level is None:
+        monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", user_level)
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    monkeypatch.setitem(sys.modules, "vllm.logger", sys.modules.get("vllm.logger")
+                        or types.ModuleType("vllm.logger"))
+    vllm_logger = logging.getLogger("vllm")
+    config_logger = logging.getLogger("vllm.config.kvconform_test")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.INFO)  # as vLLM configured it, imported with nothing set
+    try:
+        with run_env.applied():
+            assert config_logger.isEnabledFor(logging.INFO) is (user_level == "INFO")
+            assert config_logger.isEnabledFor(logging.WARNING)
+        assert vllm_logger.level == logging.INFO and config_logger.isEnabledFor(logging.INFO)
+    finally:
+        vllm_logger.setLevel(level)
+
+
+# --- what the serving stack's imports print ----------------------------------------------
+
+STACK_OUTPUT = (
+    "\x1b[33mWARNING 12-04 02:46:02 [sage_attn.py:46] SageAttentionBackend is not available."
+    "\x1b[0m\n"
+    "[ERROR] `past_key_values` is part of X.forward's signature, but not documented.\n"
+    "\n"
+    "/site/mod.py:3: FutureWarning: old\n"
+    "  warnings.warn('old')\n"
+    "Traceback (most recent call last):\n"
+    "  File \"/site/x.py\", line 1, in <module>\n"
+    "ValueError: boom\n"
+    "plain line\n"
+)
+
+
+def test_import_messages_split_output_into_messages_with_their_level() -> None:
+    assert run_env.import_messages(STACK_OUTPUT) == [
+        {"level": "WARNING",
+         "text": "WARNING [sage_attn.py:46] SageAttentionBackend is not available."},
+        {"level": "ERROR",
+         "text": "[ERROR] `past_key_values` is part of X.forward's signature, but not "
+                 "documented."},
+        {"level": "WARNING", "text": "/site/mod.py:3: FutureWarning: old\n"
+                                     "  warnings.warn('old')"},
+        {"level": "ERROR", "text": "Traceback (most recent call last):\n"
+                                   "  File \"/site/x.py\", line 1, in <module>\n"
+                                   "ValueError: boom"},
+        {"level": None, "text": "plain line"},
+    ]
+
+
+def test_import_log_lines_summarise_and_verbose_shows_each_message() -> None:
+    messages = run_env.import_messages(STACK_OUTPUT)
+    assert run_env.import_log_lines([], verbose=True, report=True) == []
+    (line,) = run_env.import_log_lines(messages, verbose=False, report=True)
+    assert line == ("kvconform: importing vLLM / vllm-omni printed 5 messages (2 ERROR, "
+                    "2 WARNING, 1 other): the installed stack's own, not findings of this run; "
+                    "-v shows them, the report keeps them (environment.import_log)")
+    (short,) = run_env.import_log_lines(messages[:1], verbose=False, report=False)
+    assert short.endswith("printed 1 message (1 WARNING): the installed stack's own, not "
+                          "findings of this run; -v shows them")
+    verbose = run_env.import_log_lines(messages, verbose=True, report=False)
+    assert "shown below" in verbose[0]
+    assert verbose[1:] == [f"kvconform:   | {line}" for m in messages
+                           for line in m["text"].splitlines()]
+
+
+CAPTURE = r'''
+import logging, os, sys
+from pytest_kvconform import run_env
+
+print("before", flush=True)
+with run_env.captured_output() as found:
+    print("python-level print")              # buffered: flushed into the capture
+    os.write(2, b"C-level write\n")
+    handler = logging.StreamHandler(sys.stdout)  # as vLLM's, created at its import
+    log = logging.getLogger("kvconform_test")
+    log.addHandler(handler)
+    log.warning("WARNING logged inside")
+log.warning("logged after")                   # the handler still reaches the terminal
+print("found", [m["text"] for m in found], flush=True)
+'''
+
+
+FAILING_CAPTURE = r'''
+from pytest_kvconform import run_env
+
+try:
+    with run_env.captured_output():
+        print("why it failed")
+        raise ValueError("boom")
+except ValueError:
+    print("raised", flush=True)
+'''
+
+
+def test_captured_output_of_a_block_that_raises_still_reaches_stderr() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", FAILING_CAPTURE], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "raised\n", "why it failed\n")
+
+
+def test_captured_output_takes_what_the_block_prints_and_nothing_after() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", CAPTURE], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "before", "logged after",
+        "found ['python-level print', 'C-level write', 'WARNING logged inside']"], done.stdout
+    assert done.stderr == ""
+
+
+NOISY_BACKEND = '''
+import logging
+import os
+import sys
+
+print("[ERROR] kvconform-test: a noisy import")
+os.write(2, b"kvconform-test: C-level noise\\n")
+logging.getLogger("vllm.kvconform_test").warning("kvconform-test: a vLLM warning")
+
+
+class NoisyBackend:
+    pass
+'''
+
+
+@needs_omni
+def test_the_stacks_import_output_stays_out_of_the_terminal_before_the_header(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a fresh process, as a user runs it: nothing before pytest's session header, one
+    summary line in it (every message with -v), and every message in the report."""
+    pytester.makepyfile(kvconform_noisy=NOISY_BACKEND)
+    pytester.makeconftest("def pytest_kvconform_backends(config):\n"
+                          "    return {'NOISY': 'kvconform_noisy:NoisyBackend'}\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(pytester.path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    result = pytester.runpytest_subprocess(
+        "--kv-conformance", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist",
+        "--kv-backend", "TORCH_SDPA", "-k", "kv_l1", "--kv-report", "r.json", "-v",
+        timeout=600)
+    out = result.stdout.lines
+    start = next(i for i, line in enumerate(out) if "test session starts" in line)
+    assert out[:start] == [], out[:start]
+    assert not result.stderr.str().strip(), result.stderr.str()[-2000:]
+    summary = [line for line in out if "importing vLLM / vllm-omni printed" in line]
+    assert len(summary) == 1 and "shown below" in summary[0], out[:30]
+    for text in ("[ERROR] kvconform-test: a noisy import", "kvconform-test: C-level noise",
+                 "kvconform-test: a vLLM warning"):
+        assert f"kvconform:   | {text}" in out or any(
+            line.startswith("kvconform:   | ") and line.endswith(text) for line in out), text
+    import json
+
+    report = json.loads((pytester.path / "r.json").read_text())
+    texts = [m["text"] for m in report["environment"]["import_log"]]
+    assert "[ERROR] kvconform-test: a noisy import" in texts
+    assert "kvconform-test: C-level noise" in texts
+    assert any(t.endswith("kvconform-test: a vLLM warning") for t in texts), texts

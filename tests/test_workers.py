@@ -222,3 +222,67 @@ def test_server_preload_is_imports_only() -> None:
     assert workers.server_preload(("a", workers.LOAD_PLUGINS, "b")) == ("a", "b")
     assert workers.start_method("cpu") == "forkserver"
     assert workers.start_method("gpu:0") == workers.start_method("cuda:1") == "spawn"
+
+
+UNGUARDED = """
+from pytest_kvconform import workers
+
+# At module level, with no `if __name__ == "__main__":` guard, as a quick script is written.
+pool = workers.WorkerPool(preload=())
+(forked,) = pool.get(["cpu"])
+(spawned,) = pool.get(["cuda:9"])  # a torch device string: spawned, never touches CUDA here
+print("served", forked.info["start_method"], forked.ping()["pid"] == forked.pid,
+      spawned.info["start_method"], spawned.ping()["pid"] == spawned.pid)
+pool.close()
+"""
+
+
+def test_a_script_without_a_main_guard_gets_working_workers(tmp_path: Path) -> None:
+    """multiprocessing would re-run the caller's main module in each worker: not ours."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["served", "forkserver", "True", "spawn", "True"], \
+        done.stdout + done.stderr
+
+
+def _fail_in_child(text: str) -> None:
+    raise RuntimeError(text)
+
+
+class _FailsToUnpickle:
+    """An argument whose unpickling, in the worker, raises before the worker's code runs."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return _fail_in_child, ("kvconform-test: failed while the worker was being prepared",)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "cuda:9"], ids=["forked", "spawned"])
+def test_a_worker_that_dies_before_its_own_code_runs_says_why(
+        placement: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Its own error, not '(no stderr captured)': a forked worker's is in the fork server's
+    log, a spawned one's on this process's stderr (the message says where)."""
+    own = workers.WorkerPool(preload=())
+    try:
+        monkeypatch.setattr(workers, "child_device", lambda p: (_FailsToUnpickle(), None))
+        own.prestart([placement])
+        monkeypatch.undo()
+        with pytest.raises(workers.WorkerDied) as info:
+            own.workers[(placement, 0)].wait_ready(timeout=60)
+        message = str(info.value)
+        assert "died during 'start-up'" in message
+        assert "no stderr captured" not in message
+        assert "died before it opened its own log" in message, message
+        if placement == "cpu":
+            assert "kvconform-test: failed while the worker was being prepared" in message
+        else:
+            assert "on this process's stderr" in message
+            assert "kvconform-test: failed while the worker was being prepared" in \
+                capfd.readouterr().err
+    finally:
+        own.close()

@@ -31,7 +31,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -150,21 +149,22 @@ def trace(python: str, path: list[str] | None = None) -> dict:
 
 def copy_sources(modules: dict[str, str | None], dest: Path) -> list[str]:
     """The traced vllm / vllm_omni modules' .py files, with their packages' __init__.py."""
-    site = Path(sysconfig.get_paths()["purelib"])
-    copied: set[Path] = set()
+    copied: dict[Path, Path] = {}  # path in the bundle -> its site-packages
     for name, file in modules.items():
-        if not file or name.partition(".")[0] not in ("vllm", "vllm_omni"):
+        top = name.partition(".")[0]
+        if not file or top not in ("vllm", "vllm_omni"):
             continue
         path = Path(file)
         if path.suffix != ".py":
             continue  # compiled extensions stay behind
+        site = site_of(top.replace("_", "-"))
         rel = path.relative_to(site)
-        copied.add(rel)
+        copied[rel] = site
         for parent in rel.parents:
             init = parent / "__init__.py"
             if parent != Path(".") and (site / init).exists():
-                copied.add(init)
-    for rel in sorted(copied):
+                copied[init] = site
+    for rel, site in sorted(copied.items()):
         target = dest / "src" / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(site / rel, target)
@@ -204,13 +204,22 @@ def top_level_modules(dists: list[str]) -> list[str]:
                   if any(o.lower().replace("_", "-") in wanted for o in owners))
 
 
+def site_of(dist: str) -> Path:
+    """The site-packages directory a distribution is installed in.
+
+    Not this interpreter's own purelib: a clone's tox environment sees the heavy packages
+    from a shared environment's site-packages (toxfile.py).
+    """
+    return Path(str(md.distribution(dist).locate_file("")))
+
+
 def filtered_site(dists: list[str], dest: Path) -> Path:
     """A directory holding links to just these distributions' files from this env."""
-    site = Path(sysconfig.get_paths()["purelib"])
     dest.mkdir(parents=True, exist_ok=True)
     for dist in dists:
         try:
             files = md.distribution(dist).files or []
+            site = site_of(dist)
         except md.PackageNotFoundError:
             continue
         for top in {f.parts[0] for f in files if f.parts and f.parts[0] != ".."}:

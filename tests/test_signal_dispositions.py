@@ -1,0 +1,54 @@
+"""The signal tests pass whatever signal dispositions the test run inherits.
+
+A job started in the background by a non-interactive shell (``cmd &``, ``nohup cmd &``,
+some CI runners) inherits SIGINT ignored, and Python then raises no KeyboardInterrupt;
+a blocked SIGINT survives ``exec`` too.  Each test marked ``delivers_signal`` installs
+what it needs itself; here they run in a pytest started with SIGINT both ignored and
+blocked, the worst a parent can hand down.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIGNAL_TESTS = ROOT / "tests" / "test_faults_process.py"
+
+
+def _sigint_ignored_and_blocked() -> None:
+    """In the child before exec: what ``trap '' INT`` plus a blocked mask hand down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KVCONFORM_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout,
+                          preexec_fn=_sigint_ignored_and_blocked)
+
+
+def test_the_child_inherits_sigint_ignored_and_blocked() -> None:
+    probe = _run("-c", "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN,"
+                       " signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))",
+                 timeout=60)
+    assert probe.stdout.split() == ["True", "True"], probe.stdout + probe.stderr
+
+
+def test_signal_tests_pass_with_sigint_inherited_ignored() -> None:
+    """The serial ones: the xdist variants add only more processes to the same path."""
+    result = _run("-m", "pytest", str(SIGNAL_TESTS), "-m", "delivers_signal", "-k",
+                  "not xdist", "-p", "no:randomly", "-p", "no:cacheprovider", "-q",
+                  timeout=300)
+    tail = result.stdout[-4000:] + result.stderr[-2000:]
+    assert result.returncode == 0, tail
+    counts = dict((word, int(n)) for n, word in re.findall(r"(\d+) (passed|failed|error)",
+                                                           result.stdout))
+    assert counts.get("passed", 0) >= 1 and not counts.get("failed") and not counts.get("error"), \
+        tail
