@@ -114,6 +114,12 @@ class KvSelection:
                 warnings.simplefilter("ignore", DeprecationWarning)
                 self.plugins = load_plugins(self.options.plugins)
                 self.discovery = discover(hook_results, origins=self.plugins)
+                if compat.omni_installed() and compat.production_import_error() is None:
+                    # Detecting KV-A's entry point imports production's worker, whose
+                    # optional dependencies print when absent (transformers, torchvision).
+                    from pytest_kvconform import engine
+
+                    engine.entry_point()
         except DiscoveryError as exc:
             raise pytest.UsageError(f"kvconform: {exc}") from None
         self.discovery_seconds = time.monotonic() - started

@@ -190,7 +190,7 @@ UNGUARDED_SCRIPT = textwrap.dedent("""
     print("=== check_backend starts", flush=True)
     # At module level, no `if __name__ == "__main__":` guard: the KV-A workers must not
     # run this again.
-    results = check_backend(E.TORCH_SDPA.get_class(), cases=["bf16_h8"],
+    results = check_backend(E.FLASH_ATTN.get_class(), cases=["bf16_h8"],
                             clauses=["KV-L2", "KV-A2"], device="cpu")
     print(json.dumps([[r.test, r.status, r.message[:300]] for r in results]), flush=True)
 """)
@@ -212,5 +212,5 @@ def test_check_backend_from_a_plain_script_without_a_main_guard(tmp_path: Path) 
     during = proc.stdout.partition("=== check_backend starts\n")[2].splitlines()
     rows = json.loads(during[-1])
     assert {status for _, status, _ in rows} == {"passed"}, rows
-    assert any(test == "test_kv_a2[TORCH_SDPA-bf16_h8]" for test, _, _ in rows), rows
+    assert any(test == "test_kv_a2[FLASH_ATTN-bf16_h8]" for test, _, _ in rows), rows
     assert not [line for line in during if line.startswith("INFO")], during[:20]
