@@ -67,6 +67,7 @@ from pytest_kvconform.report_schema import (
     SCHEMA,
     SKIP_KINDS,
     ReportError,
+    expect_shallow,
     jsonable,
     result_sort_key,
     validate_report,
@@ -337,7 +338,8 @@ def check_pair(path: str | Path) -> None:
 
 
 def load_report(path: str | Path) -> dict[str, Any]:
-    """Read a JSON report (not yet validated); problems raise :class:`ReportError` naming it."""
+    """Read a JSON report (not yet validated, but no deeper than a report nests: see
+    :func:`expect_shallow`); problems raise :class:`ReportError` naming it."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
@@ -348,6 +350,13 @@ def load_report(path: str | Path) -> dict[str, Any]:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ReportError("$", f"{path}: not JSON: {exc}") from exc
+    except RecursionError as exc:  # the parser recurses per level: [[[[...]]]]
+        raise ReportError("$", f"{path}: not a report: JSON nested too deeply to "
+                          "read") from exc
     if not isinstance(obj, dict):
         raise ReportError("$", f"{path}: expected a JSON object, got {type(obj).__name__}")
+    try:
+        expect_shallow(obj)
+    except ReportError as exc:
+        raise ReportError(exc.path, f"{path}: {exc.message}") from exc
     return obj
