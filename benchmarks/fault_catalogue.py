@@ -32,6 +32,9 @@ from tests import faultkit  # the repository root, put on the path above
 EXPECTED_RC = {"worker-faults": 1, "blocking-declaration": 1, "sigint-serial": 2,
                "sigkill-serial": -9, "sigint-xdist": 2, "sigkill-xdist": -9}
 WANTS_REPORT = {"worker-faults", "blocking-declaration", "sigint-serial", "sigint-xdist"}
+# Issue 23: two runs started together writing one --kv-report path (faultkit.concurrent_writers).
+EXPECTED_RC["concurrent-writers"] = 0
+WANTS_REPORT.add("concurrent-writers")
 
 
 def main() -> int:

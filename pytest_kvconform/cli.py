@@ -17,6 +17,7 @@ from pytest_kvconform.report import (
     SCHEMA,
     ReportError,
     check_mergeable,
+    check_pair,
     load_report,
     render_markdown,
     render_merged_markdown,
@@ -60,6 +61,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     for path in args.reports:
         try:
             _load_valid(path)
+            check_pair(path)  # the Markdown next to it, if any, is of the same run
         except ReportError as exc:
             return _error(exc.message)
         print(f"{path}: valid ({SCHEMA})")

@@ -30,10 +30,13 @@ name, also in ``environment.seeded_faults``).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,7 @@ from pytest_kvconform.report_schema import (
     SCHEMA,
     SKIP_KINDS,
     ReportError,
+    expect_shallow,
     jsonable,
     result_sort_key,
     validate_report,
@@ -100,6 +104,7 @@ __all__ = [
     "ReportError",
     "build_report",
     "check_mergeable",
+    "check_pair",
     "clause_sort_key",
     "compute_verdict",
     "describe_startup_failure",
@@ -110,7 +115,9 @@ __all__ = [
     "judge",
     "left_out",
     "load_report",
+    "lock_path",
     "markdown_path",
+    "markdown_run_id",
     "merged_uncovered",
     "merged_verdict",
     "now_iso",
@@ -119,6 +126,7 @@ __all__ = [
     "render_markdown",
     "render_merged_markdown",
     "render_terminal_matrix",
+    "report_lock",
     "report_paths",
     "run_record",
     "selection_record",
@@ -224,32 +232,114 @@ def report_paths(path: str | Path) -> tuple[Path, Path]:
 def write_report(path: str | Path, report: Mapping[str, Any]) -> tuple[Path, Path]:
     """Validate, then write JSON and Markdown, each via a temp file and ``os.replace``.
 
-    A reader never sees a half-written report, even when a run is interrupted.
-    Files get the usual mode (0666 less the umask), not ``mkstemp``'s 0600.
+    A reader never sees a half-written report, even when a run is interrupted.  Both
+    files are written and renamed under :func:`report_lock`, so two runs writing the
+    same path leave a pair from one run (the Markdown names the JSON's run id; see
+    :func:`check_pair`).  Files get the usual mode (0666 less the umask), not
+    ``mkstemp``'s 0600.
     """
     validate_report(report)
     json_path, md_path = report_paths(path)
+    json_text = json.dumps(report, indent=2, allow_nan=False) + "\n"
+    md_text = render_markdown(report)
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(json_path, json.dumps(report, indent=2, allow_nan=False) + "\n")
-    _atomic_write(md_path, render_markdown(report))
+    with report_lock(json_path):
+        temps: list[tuple[Path, Path]] = []
+        try:
+            for final, text in ((json_path, json_text), (md_path, md_text)):
+                temps.append((_temp_write(final, text), final))
+            for tmp, final in temps:
+                os.replace(tmp, final)
+        finally:
+            for tmp, _ in temps:
+                tmp.unlink(missing_ok=True)  # gone once renamed
     return json_path, md_path
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def lock_path(path: str | Path) -> Path:
+    """The lock file of a report pair: ``dir/.r.json.lock`` next to ``dir/r.json``."""
+    json_path, _ = report_paths(path)
+    return json_path.with_name(f".{json_path.name}.lock")
+
+
+@contextlib.contextmanager
+def report_lock(path: str | Path, *, shared: bool = False) -> Iterator[bool]:
+    """Hold the pair's lock (``flock``): exclusive for a writer, ``shared`` for a reader.
+
+    The lock file is created 0600 (less the umask) and never followed through a
+    symlink; it stays after the write, since removing it would let a later writer lock
+    a fresh file while an earlier one still holds the old.  A reader does not create
+    it: without one (or one it may not open), it reads unlocked and yields False.
+    """
+    flags = os.O_RDONLY if shared else os.O_WRONLY | os.O_CREAT
+    try:
+        fd = os.open(lock_path(path), flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        if not shared:
+            raise
+        fd = -1  # no lock file (or not ours to open): read as before locking existed
+    if fd < 0:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _temp_write(path: Path, text: str) -> Path:
+    """``text`` in a fresh temp file next to ``path``, for ``os.replace``."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     # O_EXCL: never follow or reuse someone else's file; 0o666: the umask decides.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return tmp
+
+
+_MD_RUN_RE = re.compile(r"^Contract .*, run `([^`]+)` started ", re.MULTILINE)
+
+
+def markdown_run_id(text: str) -> str | None:
+    """The run id a report's Markdown names (its header line), or None if it names none."""
+    match = _MD_RUN_RE.search(text)
+    return match.group(1) if match else None
+
+
+def check_pair(path: str | Path) -> None:
+    """Refuse a JSON report whose Markdown next to it comes from another run.
+
+    Both are read under the pair's shared lock, so a writer's two renames are never
+    seen half done.  No Markdown is fine (a JSON copied alone, or renamed).
+    """
+    json_path, md_path = report_paths(path)
+    with report_lock(json_path, shared=True):
+        report = load_report(json_path)
+        try:
+            text: str | None = md_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            text = None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ReportError("$.run.id", f"{md_path}: cannot read: {exc}") from exc
+    run = report.get("run")
+    run_id = run.get("id") if isinstance(run, dict) else None
+    if text is None:
+        return
+    named = markdown_run_id(text)
+    if named != run_id:
+        theirs = f"run {named!r}" if named else "no run id"
+        raise ReportError("$.run.id", f"{md_path} names {theirs} but {json_path} is run "
+                          f"{run_id!r}: the pair is from different runs (write both again)")
 
 
 def load_report(path: str | Path) -> dict[str, Any]:
-    """Read a JSON report (not yet validated); problems raise :class:`ReportError` naming it."""
+    """Read a JSON report (not yet validated, but no deeper than a report nests: see
+    :func:`expect_shallow`); problems raise :class:`ReportError` naming it."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
@@ -260,6 +350,13 @@ def load_report(path: str | Path) -> dict[str, Any]:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ReportError("$", f"{path}: not JSON: {exc}") from exc
+    except RecursionError as exc:  # the parser recurses per level: [[[[...]]]]
+        raise ReportError("$", f"{path}: not a report: JSON nested too deeply to "
+                          "read") from exc
     if not isinstance(obj, dict):
         raise ReportError("$", f"{path}: expected a JSON object, got {type(obj).__name__}")
+    try:
+        expect_shallow(obj)
+    except ReportError as exc:
+        raise ReportError(exc.path, f"{path}: {exc.message}") from exc
     return obj

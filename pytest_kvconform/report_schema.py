@@ -15,6 +15,7 @@ from enum import Enum
 from pathlib import PurePath
 from typing import Any
 
+from pytest_kvconform import CONTRACT_VERSION
 from pytest_kvconform.clauses import CLAUSE_RE
 from pytest_kvconform.outcomes import ErrorKind, SkipKind
 from pytest_kvconform.report_verdict import (
@@ -34,6 +35,11 @@ from pytest_kvconform.report_verdict import (
 # ``startup_failures``; ``seeded_faults`` on the environment, ``seeded_fault`` on the
 # results a seeded worker fault touched.
 SCHEMA = "pytest-kvconform/report/2"
+# The contract versions (contract.md) this kvconform's clause ids and checks mean.
+KNOWN_CONTRACTS = (CONTRACT_VERSION,)
+# A report nests about six levels (options and plugin records a few more): anything much
+# deeper is not one, and is refused before code that walks it recursively can overflow.
+MAX_DEPTH = 64
 SKIP_KINDS = tuple(k.value for k in SkipKind)
 ERROR_KINDS = tuple(k.value for k in ErrorKind)
 
@@ -113,11 +119,15 @@ def validate_report(obj: Any) -> None:
     number must be finite (JSON has no NaN; Python's json module writes one).
     """
     key: Any  # a backend's key (str), then a result's sort key (tuple)
+    expect_shallow(obj)
     _expect_keys(obj, "$", TOP_KEYS)
     if obj["schema"] != SCHEMA:
         raise ReportError("$.schema", f"expected {SCHEMA!r}, got {obj['schema']!r}")
     _expect_finite(obj, "$")
     _expect_type(obj["contract"], "$.contract", str)
+    if obj["contract"] not in KNOWN_CONTRACTS:
+        raise ReportError("$.contract", f"unknown contract version {obj['contract']!r} "
+                          f"(this kvconform knows {', '.join(map(repr, KNOWN_CONTRACTS))})")
     _validate_run(obj["run"])
     _validate_environment(obj["environment"])
     _validate_selection(obj["selection"])
@@ -167,6 +177,19 @@ def validate_report(obj: Any) -> None:
         _validate_uncovered(entry, f"$.uncovered[{i}]")
     if obj["uncovered"] != uncovered:
         raise ReportError("$.uncovered", f"expected {uncovered}, got {obj['uncovered']!r}")
+
+
+def expect_shallow(obj: Any) -> None:
+    """Refuse JSON nested deeper than :data:`MAX_DEPTH` (walked without recursion)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ReportError("$", f"not a report: nested deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            stack.extend((item, depth + 1) for item in value.values())
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
 
 
 def _validate_uncovered(entry: Any, where: str) -> None:

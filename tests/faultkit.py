@@ -365,6 +365,35 @@ def xdist_worker_killed(workdir: Path) -> Outcome:
     return _finish("xdist worker killed", proc, piddir, started, workdir / "r.json", set())
 
 
+def concurrent_writers(workdir: Path) -> Outcome:
+    """Two runs started together, writing one ``--kv-report`` path (issue 23).
+
+    Whichever writes last, ``r.json`` must validate and ``r.md`` name its run id: a
+    mixed pair is recorded as the report's error.  The exit status is the first
+    non-zero one of the two runs (0 if both passed).
+    """
+    conftest(workdir, backends_conftest({"GOOD": Good}))
+    started = time.monotonic()
+    runs = [_start(workdir, ["--kv-backend", "GOOD", "-k", "kv_l1", "--kv-report", "r.json"])
+            for _ in range(2)]
+    outcomes = [_finish("concurrent writers", proc, piddir, started, workdir / "r.json", set())
+                for proc, piddir in runs]
+    first, second = outcomes
+    first.returncode = first.returncode or second.returncode
+    first.output += "\n[faultkit] second run:\n" + second.output
+    first.seconds = max(first.seconds, second.seconds)
+    first.leaked |= second.leaked
+    first.workers |= second.workers
+    first.watched |= second.watched
+    first.report_error = first.report_error or second.report_error
+    if first.report_error is None:
+        try:
+            report_mod.check_pair(workdir / "r.json")
+        except report_mod.ReportError as exc:
+            first.report_error = f"ReportError: {exc.message}"
+    return first
+
+
 SCENARIOS = {
     "worker-faults": worker_faults,
     "blocking-declaration": blocking_declaration,
@@ -372,4 +401,5 @@ SCENARIOS = {
     "sigkill-serial": lambda d: killed(d, xdist=False, sig=signal.SIGKILL),
     "sigint-xdist": lambda d: killed(d, xdist=True, sig=signal.SIGINT),
     "sigkill-xdist": lambda d: killed(d, xdist=True, sig=signal.SIGKILL),
+    "concurrent-writers": concurrent_writers,
 }

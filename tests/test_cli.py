@@ -78,6 +78,57 @@ def test_bad_file_is_one_clear_message(
         assert str(bad) in err and expected in err
 
 
+@pytest.mark.parametrize("command", ["validate", "show", "merge"])
+@pytest.mark.parametrize("nesting", ["array", "in-a-report"])
+def test_deeply_nested_file_is_not_a_report(
+    two_reports: tuple[Path, Path], tmp_path: Path, capsys: Any, command: str, nesting: str
+) -> None:
+    bad = tmp_path / "deep.json"
+    if nesting == "array":  # 200 KB of [[[...]]]: the JSON parser itself would overflow
+        bad.write_text("[" * 100_000 + "]" * 100_000)
+    else:  # deep enough to pass the parser, in a field the schema leaves open
+        report = json.loads(two_reports[0].read_text())
+        report["environment"]["options"]["x"] = json.loads("[" * 500 + "]" * 500)
+        dump(bad, report)
+    args = [command, str(bad)] + ([str(two_reports[1])] if command == "merge" else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"kvconform: error: {bad}: not a report: ")
+
+
+@pytest.mark.parametrize("command", ["validate", "show"])
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("contract", "99", f"$.contract: unknown contract version '99' (this kvconform knows "
+                           f"'{CONTRACT_VERSION}')"),
+        ("schema", "pytest-kvconform/report/99", "unsupported schema "
+         f"'pytest-kvconform/report/99' (expected '{rp.SCHEMA}')"),
+    ],
+)
+def test_unknown_version_is_refused(
+    two_reports: tuple[Path, Path], tmp_path: Path, capsys: Any, command: str, key: str,
+    value: str, expected: str
+) -> None:
+    claimed = json.loads(two_reports[0].read_text())
+    claimed[key] = value
+    bad = dump(tmp_path / "future.json", claimed)
+    assert main([command, str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvconform: error: {bad}: {expected}\n"
+
+
+def test_merge_refuses_unknown_contract_on_every_report(tmp_path: Path, capsys: Any) -> None:
+    reports = [json.loads(json.dumps(make_report(h, "passed"))) for h in ("a", "b")]
+    paths = []
+    for report in reports:
+        report["contract"] = "99"
+        paths.append(dump(tmp_path / f"{report['environment']['host']}.json", report))
+    assert main(["merge", *map(str, paths)]) == 2
+    assert f"{paths[0]}: $.contract: unknown contract version '99'" in capsys.readouterr().err
+
+
 def test_missing_file(tmp_path: Path, capsys: Any) -> None:
     assert main(["show", str(tmp_path / "absent.json")]) == 2
     assert "absent.json: cannot read" in capsys.readouterr().err

@@ -331,7 +331,9 @@ def test_write_report_writes_json_and_markdown(tmp_path: Path) -> None:
     assert md_path == tmp_path / "sub" / "r.md"
     assert json.loads(json_path.read_text()) == report
     assert md_path.read_text() == rp.render_markdown(report)
-    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["r.json", "r.md"]
+    # The pair's lock stays (see tests/test_report_writers.py); no temp file does.
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == [".r.json.lock", "r.json",
+                                                                    "r.md"]
 
 
 def test_write_report_refuses_invalid_report(tmp_path: Path) -> None:

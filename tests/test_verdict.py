@@ -391,7 +391,8 @@ def test_reports_are_written_with_the_usual_mode(tmp_path: Path) -> None:
     assert (json_path.name, md_path.name) == ("r.json", "r.md")
     for path in (json_path, md_path):
         assert stat.S_IMODE(path.stat().st_mode) == 0o644
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]  # no temp file
+    # No temp file; the pair's lock (private) stays.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".r.json.lock", "r.json", "r.md"]
 
 
 # --------------------------------------------------------------------------- end to end
