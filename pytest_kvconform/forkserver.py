@@ -24,7 +24,8 @@ imports: a SIGKILLed pytest never leaves a server importing), and ends with
 bounded (:func:`wait_ready`) instead of blocking in ``Process.start``.  The server is
 started only from the main thread (a parent-death signal fires when the *thread*
 that started the server exits).  Its stdout / stderr go to ``server.log`` in its
-directory.
+directory, which is in the run's own (``tempdirs.py``), and so is its ``$TMPDIR``:
+what its imports leave there (cuda.tile makes a directory at import) goes with the run.
 
 Stdlib only.
 """
@@ -39,13 +40,12 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pytest_kvconform import lifetime
+from pytest_kvconform import lifetime, tempdirs
 
 GUARD = "pytest_kvconform.forkserver_guard"
 READY = "pytest_kvconform.forkserver_ready"
@@ -56,6 +56,7 @@ DIR_ENV = "KVCONFORM_FORKSERVER_DIR"
 PACKAGE_ENV = "KVCONFORM_FORKSERVER_PACKAGE"
 READY_FILE = "ready"
 LOG_FILE = "server.log"
+TMP_DIR = "tmp"  # the server's $TMPDIR (a forked worker goes back to its parent's)
 _POLL_S = 0.02
 SHARE_KEY = "kvconform_forkserver"  # workerinput: the controller's server (share())
 
@@ -118,11 +119,14 @@ def start(preload: Sequence[str]) -> bool:
     stop()
     import pytest_kvconform
 
-    _dir = tempfile.mkdtemp(prefix="kvconform-forkserver-")
+    _dir = tempdirs.make("forkserver")
     _preload = tuple(preload)
     _server.set_forkserver_preload([GUARD, *preload, READY])
+    server_tmp = os.path.join(_dir, TMP_DIR)
+    os.mkdir(server_tmp, 0o700)
     tell = {PARENT_ENV: str(os.getpid()), DIR_ENV: _dir,
-            PACKAGE_ENV: os.path.dirname(os.path.abspath(pytest_kvconform.__file__))}
+            PACKAGE_ENV: os.path.dirname(os.path.abspath(pytest_kvconform.__file__)),
+            "TMPDIR": server_tmp}  # what its imports leave in $TMPDIR goes with _dir
     saved = {key: os.environ.get(key) for key in tell}
     os.environ.update(tell)  # the server inherits this environment at its start
     try:
@@ -133,6 +137,9 @@ def start(preload: Sequence[str]) -> bool:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+    address = _server._forkserver_address
+    if isinstance(address, str):  # its socket, in this process's multiprocessing pymp-* dir
+        tempdirs.claim(os.path.dirname(address))
     return True
 
 

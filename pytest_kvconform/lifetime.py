@@ -12,6 +12,9 @@ Stdlib only.  Two mechanisms, because each alone has a gap:
   re-parented).  It works on any POSIX host and covers the thread caveat above.
 
 ``atexit`` alone is not enough: it never runs when the parent is killed.
+
+SIGTERM's default ends a process without ``atexit`` or ``finally`` either, so a
+``--kv-conformance`` run turns it into Ctrl-C's unwinding (:func:`terminate_as_interrupt`).
 """
 
 from __future__ import annotations
@@ -84,6 +87,36 @@ def tie_to_parent(parent_pid: int, lifeline: Any = None, *, death_signal: bool =
     if os.getppid() != parent_pid:  # died before the death signal was armed
         _orphaned(on_orphan)
     watch_parent(parent_pid, lifeline, on_orphan)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, unwound as Ctrl-C is: pytest ends the run as interrupted (summary, verdict,
+    report), the pools and the fork server close, ``atexit`` removes the temporary files."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # A second SIGTERM while the first one unwinds kills at once, as it did before.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Terminated("SIGTERM: the run was terminated")
+
+
+def terminate_as_interrupt() -> Callable[[], None] | None:
+    """Make SIGTERM raise :class:`Terminated` in the main thread; returns the undo.
+
+    Only over the default disposition: a SIGTERM ignored by whoever started us, or
+    handled by the program that embeds pytest, stays theirs (None: nothing to undo).
+    The undo puts the default back only if the handler is still ours.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    def undo() -> None:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    return undo
 
 
 class Holders:

@@ -57,6 +57,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     config.addinivalue_line("markers", "kv_cases(predicate): select the spec cases a suite "
                             "test is parametrised with (predicate(case) -> bool)")
+    _terminate_as_interrupt(config)
     try:
         xfails = _startup_checks(options)  # before anything heavy is imported
         _add_suite(config)
@@ -67,16 +68,28 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_kvconform.session import KvSession
 
         session = KvSession(config, options, xfails=xfails)
-    except KeyboardInterrupt:
-        _interrupted_before_results(config, options)
+    except KeyboardInterrupt as exc:
+        _interrupted_before_results(config, options, type(exc).__name__)
         raise
     config.pluginmanager.register(session, SESSION_PLUGIN)
     _speculate_workers(config, options, session)
 
 
-def _interrupted_before_results(config: pytest.Config, options: Options) -> None:
-    """Ctrl-C before the run's results plugin was registered (which judges any later
-    interrupt): the verdict and the report all the same, with nothing collected."""
+def _terminate_as_interrupt(config: pytest.Config) -> None:
+    """SIGTERM ends the run as Ctrl-C does (``lifetime.terminate_as_interrupt``): the
+    summary, the verdict and the report, and no process or temporary file left.  Undone
+    when the run is (pytester runs sessions inside a longer-lived process)."""
+    from pytest_kvconform import lifetime
+
+    undo = lifetime.terminate_as_interrupt()
+    if undo is not None:
+        config.add_cleanup(undo)
+
+
+def _interrupted_before_results(config: pytest.Config, options: Options,
+                                what: str = "KeyboardInterrupt") -> None:
+    """Ctrl-C (or SIGTERM) before the run's results plugin was registered (which judges
+    any later interrupt): the verdict and the report all the same, with nothing collected."""
     from pytest_kvconform.session import RESULTS_PLUGIN
 
     if config.pluginmanager.get_plugin(RESULTS_PLUGIN) is not None:
@@ -85,7 +98,7 @@ def _interrupted_before_results(config: pytest.Config, options: Options) -> None
     from pytest_kvconform.session_selection import KvSelection
 
     results = KvResults(config, options, KvSelection(config, options, "cpu", []))
-    results.interruption = "KeyboardInterrupt during start-up, before any test was collected"
+    results.interruption = f"{what} during start-up, before any test was collected"
     results.conclude_interrupted_start()
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform import compat, forkserver, run_env
+from pytest_kvconform import compat, fault_seeds, forkserver, run_env, tempdirs
 from pytest_kvconform.omni_plugins import restore_plugins_env, set_plugins_env
 from pytest_kvconform.options import Options
 from pytest_kvconform.session_results import KvResults
@@ -34,6 +34,8 @@ class KvSession:
         self.fault: str | None = None
         self.device = "cpu"
         self.gpu_ids: list[str] = []
+        # What runs whose processes are gone left in $TMPDIR (SIGKILL): the controller's job.
+        self.swept = [] if hasattr(config, "workerinput") else tempdirs.sweep()
         # First: from here on a Ctrl-C still ends with a verdict and a report (KvResults).
         self.selection = KvSelection(config, options, self.device, list(xfails or []))
         self.results = KvResults(config, options, self.selection)
@@ -118,6 +120,10 @@ class KvSession:
             self.fault = workers.active_fault()
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
+        try:
+            fault_seeds.check_piddir()
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
         if self.fault and self.options.strict:
             raise pytest.UsageError(f"--kv-strict: refusing to qualify with the seeded worker "
                                     f"fault ${workers.FAULT_ENV}={self.fault} set")
@@ -136,6 +142,10 @@ class KvSession:
             lines.append(import_error_line(broken))
         elif not self.selection.remote and compat.omni_installed():
             lines.append(worker_path_line())
+        if self.swept:
+            lines.append(f"kvconform: removed {len(self.swept)} temporary "
+                         f"{'directory' if len(self.swept) == 1 else 'directories'} left by "
+                         f"ended runs: {', '.join(os.path.basename(p) for p in self.swept)}")
         if self.fault:
             lines.append(f"kvconform: WARNING: seeded worker fault {self.fault!r} is active "
                          "(KVCONFORM_WORKER_FAULT); results do not qualify anything")

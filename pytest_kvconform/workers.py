@@ -62,10 +62,11 @@ Lifetime: a worker never outlives its parent (``lifetime.py``: parent-death sign
 plus a lifeline-pipe watchdog; a forked worker's parent-death signal is tied to the
 fork server, which is tied to the test process, its lifeline to the test process
 itself), ignores SIGINT (its parent decides when it stops),
-and with ``$KVCONFORM_WORKER_PIDDIR`` set writes ``<pid>.worker`` there, so a test can
-check by PID that nothing is left.  Worker processes production's multiproc executor
-spawns are its own: they die with the KV-A worker that started them (production sets
-their parent-death signal), which dies with the test process.
+and with ``$KVCONFORM_WORKER_PIDDIR`` set creates ``<pid>.worker`` there (never through a
+link: ``fault_seeds.mark_pid``), so a test can check by PID that nothing is left.
+Worker processes production's multiproc executor spawns are its own: they die with the
+KV-A worker that started them (production sets their parent-death signal), which dies
+with the test process.
 
 Stdlib only at import (numpy, torch, pytest and ``compat`` are imported where used).
 """
@@ -90,7 +91,7 @@ import types
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from pytest_kvconform import budget, fault_seeds, forkserver, lifetime
+from pytest_kvconform import budget, fault_seeds, forkserver, lifetime, tempdirs
 from pytest_kvconform.devices import Unplaceable
 from pytest_kvconform.engine import is_out_of_memory
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
@@ -510,7 +511,7 @@ class WorkerPool:
 
     def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
         self.preload = tuple(preload)
-        self.workdir = tempfile.mkdtemp(prefix="kvconform-workers-")
+        self.workdir = tempdirs.make("workers")  # in the run's directory (tempdirs.py)
         self.workers: dict[tuple[str, int], WorkerHandle] = {}
         self.replaced = 0
         self._server_held = False  # this pool counts as a user of the fork server
@@ -723,15 +724,10 @@ class KvWorkers:
 
 
 def _tie_to_parent(parent: tuple[int, Any, bool]) -> None:
-    """Never outlive the parent; leave Ctrl-C to it; say who we are (``$PIDDIR_ENV``)."""
+    """Never outlive the parent; leave Ctrl-C (and SIGTERM's unwinding) to it."""
     parent_pid, lifeline, death_signal = parent
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     lifetime.tie_to_parent(parent_pid, lifeline, death_signal=death_signal)
-    piddir = os.environ.get(PIDDIR_ENV)
-    if piddir:
-        with contextlib.suppress(OSError):
-            with open(os.path.join(piddir, f"{os.getpid()}.worker"), "w") as f:
-                f.write(f"{parent_pid}\n")
 
 
 def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str],
@@ -745,6 +741,7 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
+        tempfile.tempdir = None  # the server's $TMPDIR is the run's own: back to ours
     if parent is not None:  # first, so that not even the imports outlive the parent
         _tie_to_parent(parent)
     if gpu_id is not None:  # first, before anything can import torch or touch CUDA
@@ -756,6 +753,7 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     faulthandler.enable(sys.stderr)
+    fault_seeds.mark_pid("worker")  # $PIDDIR_ENV: a refusal is a line in this log, no more
     started = time.monotonic()
     plugins = None
     try:

@@ -13,9 +13,11 @@ descendants of the pytest process are read from ``/proc``.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -24,12 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from pytest_kvconform import report as report_mod
+from pytest_kvconform import tempdirs
 from pytest_kvconform.workers import PIDDIR_ENV
 from tests.seeding import backends_conftest
 from tests.standin_backends import Blocking, Good
 
 ROOT = Path(__file__).resolve().parents[1]
 LEAK_GRACE_S = 5.0  # the issue's bound: nothing is left 5 s after a kill
+# What a run leaves in $TMPDIR that is its own: the run's directory (fork server, worker
+# logs) and multiprocessing's (the fork server's socket).
+TEMP_PREFIXES = ("kvconform-", "pymp-")
 RUN_TIMEOUT_S = 600.0
 BASE_ARGS = ("--kv-conformance", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA")
 
@@ -66,6 +72,10 @@ class Outcome:
     watched: set[int] = field(default_factory=set)
     leaked: set[int] = field(default_factory=set)
     workers: set[int] = field(default_factory=set)
+    # The run's own $TMPDIR: our directories (TEMP_PREFIXES) there once it ended, and
+    # those still there after a later run's start-up sweep (``tempdirs.sweep``).
+    temp_left: list[str] = field(default_factory=list)
+    leaked_dirs: list[str] = field(default_factory=list)
 
     def results(self) -> dict[str, dict[str, Any]]:
         """Report rows by test name (nodeid without the path)."""
@@ -136,11 +146,22 @@ def kill_leftovers(pids: Iterable[int]) -> None:
 # --- running pytest --------------------------------------------------------------------
 
 
+# Each run's private $TMPDIR, by pytest PID (short: under the usual temp directory, so the
+# paths vLLM derives from it stay as short as they would be).
+_tmpdirs: dict[int, Path] = {}
+
+
+def temp_entries(tmpdir: Path) -> list[str]:
+    """Our directories in a run's $TMPDIR (:data:`TEMP_PREFIXES`), sorted."""
+    return sorted(p.name for p in tmpdir.iterdir() if p.name.startswith(TEMP_PREFIXES))
+
+
 def _env(piddir: Path, extra: dict[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTEST_", "KVCONFORM_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env[PIDDIR_ENV] = str(piddir)
+    env["TMPDIR"] = tempfile.mkdtemp(prefix="kvtmp-")
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     env.update(extra or {})
     return env
@@ -150,23 +171,27 @@ def _start(workdir: Path, args: Sequence[str], extra_env: dict[str, str] | None 
            ) -> tuple[subprocess.Popen[str], Path]:
     piddir = workdir / "pids"
     piddir.mkdir(parents=True, exist_ok=True)
+    env = _env(piddir, extra_env)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", *BASE_ARGS, *args], cwd=workdir, text=True,
-        env=_env(piddir, extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True, preexec_fn=_interruptible)
+    _tmpdirs[proc.pid] = Path(env["TMPDIR"])
     return proc, piddir
 
 
 def _interruptible() -> None:
-    """In the child before exec: SIGINT back to its default and unblocked, as in a terminal.
+    """In the child before exec: SIGINT (and SIGTERM) back to the default and unblocked, as
+    in a terminal.
 
     A job started in the background by a non-interactive shell (``cmd &``, as a
     benchmark often is) inherits SIGINT *ignored*; Python then installs no
     KeyboardInterrupt handler, and the scenarios' Ctrl-C would never arrive.  A
     blocked SIGINT (the signal mask survives ``exec``) would hold it back the same way.
     """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 @contextmanager
@@ -201,6 +226,13 @@ def _finish(name: str, proc: subprocess.Popen[str], piddir: Path, started: float
     outcome.watched = watched | outcome.workers
     outcome.leaked = wait_gone(outcome.watched)
     kill_leftovers(outcome.leaked)
+    tmpdir = _tmpdirs.pop(proc.pid, None)
+    if tmpdir is not None:
+        outcome.temp_left = temp_entries(tmpdir)
+        wait_gone(outcome.leaked, 2.0)  # what a sweep asks: the owners gone
+        tempdirs.sweep(str(tmpdir))  # as the next run's start-up does
+        outcome.leaked_dirs = temp_entries(tmpdir)
+        shutil.rmtree(tmpdir, ignore_errors=True)
     if report is not None:
         try:
             outcome.report = report_mod.load_report(report)
@@ -259,8 +291,10 @@ def blocking_declaration(workdir: Path, timeout_s: float = 2.0) -> Outcome:
 
 
 def killed(workdir: Path, *, xdist: bool, sig: int) -> Outcome:
-    """Ctrl-C (SIGINT to the process group) or SIGKILL of pytest / the xdist controller,
-    while KV-A workers hang mid-command (and, with ``xdist``, two xdist workers live).
+    """Ctrl-C (SIGINT to the process group), SIGTERM or SIGKILL of pytest / the xdist
+    controller, while KV-A workers hang mid-command (and, with ``xdist``, two xdist workers
+    live).  SIGTERM goes to pytest alone, as a supervisor (``timeout``, a CI job's
+    cancel, ``kill``) sends it.
 
     Before the hang, ``test_kv_a2[FLASH_ATTN-bf16_h8]`` finishes (serially), so an
     interrupted run has a result to report.
@@ -270,7 +304,8 @@ def killed(workdir: Path, *, xdist: bool, sig: int) -> Outcome:
     args = ["--kv-backend", "FLASH_ATTN", "-k", "kv_a2 and bf16_h8", "--kv-timeout", "600"]
     if xdist:
         args += ["-n", "2"]
-    if sig == signal.SIGINT:
+    reported = sig != signal.SIGKILL
+    if reported:
         args += ["--kv-report", "r.json"]
     started = time.monotonic()
     proc, piddir = _start(workdir, args)
@@ -281,10 +316,10 @@ def killed(workdir: Path, *, xdist: bool, sig: int) -> Outcome:
         if sig == signal.SIGINT:
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         else:
-            os.kill(proc.pid, signal.SIGKILL)
-    how = "Ctrl-C" if sig == signal.SIGINT else "SIGKILL"
+            os.kill(proc.pid, sig)  # pytest alone
+    how = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
     outcome = _finish(f"{how} {'xdist controller' if xdist else 'pytest'}", proc, piddir,
-                      started, workdir / "r.json" if sig == signal.SIGINT else None, watched,
+                      started, workdir / "r.json" if reported else None, watched,
                       timeout=120.0)
     outcome.watched.add(proc.pid)
     return outcome
@@ -366,7 +401,7 @@ def xdist_worker_killed(workdir: Path) -> Outcome:
 
 
 def concurrent_writers(workdir: Path) -> Outcome:
-    """Two runs started together, writing one ``--kv-report`` path (issue 23).
+    """Two runs started together, writing one ``--kv-report`` path.
 
     Whichever writes last, ``r.json`` must validate and ``r.md`` name its run id: a
     mixed pair is recorded as the report's error.  The exit status is the first
@@ -385,6 +420,8 @@ def concurrent_writers(workdir: Path) -> Outcome:
     first.leaked |= second.leaked
     first.workers |= second.workers
     first.watched |= second.watched
+    first.temp_left += second.temp_left
+    first.leaked_dirs += second.leaked_dirs
     first.report_error = first.report_error or second.report_error
     if first.report_error is None:
         try:
@@ -392,6 +429,31 @@ def concurrent_writers(workdir: Path) -> Outcome:
         except report_mod.ReportError as exc:
             first.report_error = f"ReportError: {exc.message}"
     return first
+
+
+def terminated_at_startup(workdir: Path, *, early: bool = False) -> Outcome:
+    """SIGTERM to pytest during start-up, with ``--kv-report``: once the run has made its
+    temporary directory (the fork server started, importing vLLM; pytest about to import
+    vllm-omni for discovery), or, ``early``, 1 s after the process started (Python and
+    pytest still loading: SIGTERM may still have its default effect then)."""
+    conftest(workdir, "")
+    started = time.monotonic()
+    proc, piddir = _start(workdir, ["--kv-backend", "FLASH_ATTN", "-k", "kv_a2 and bf16_h8",
+                                    "--kv-report", "r.json"])
+    tmpdir = _tmpdirs[proc.pid]
+    if early:
+        time.sleep(1.0)
+    else:
+        deadline = time.monotonic() + 120
+        while not any(p.name.startswith(tempdirs.PREFIX) for p in tmpdir.iterdir()) and \
+                proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    watched = descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGTERM)
+    outcome = _finish(f"SIGTERM {'early' if early else 'in start-up'}", proc, piddir, started,
+                      None if early else workdir / "r.json", watched, timeout=120.0)
+    outcome.watched.add(proc.pid)
+    return outcome
 
 
 SCENARIOS = {
@@ -402,4 +464,8 @@ SCENARIOS = {
     "sigint-xdist": lambda d: killed(d, xdist=True, sig=signal.SIGINT),
     "sigkill-xdist": lambda d: killed(d, xdist=True, sig=signal.SIGKILL),
     "concurrent-writers": concurrent_writers,
+    "sigterm-early": lambda d: terminated_at_startup(d, early=True),
+    "sigterm-startup": terminated_at_startup,
+    "sigterm-serial": lambda d: killed(d, xdist=False, sig=signal.SIGTERM),
+    "sigterm-xdist": lambda d: killed(d, xdist=True, sig=signal.SIGTERM),
 }

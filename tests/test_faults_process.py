@@ -379,21 +379,42 @@ def test_blocking_declaration_is_an_error_and_the_run_goes_on(
     _no_process_left(outcome)
 
 
+def _no_temp_dir_left(outcome: faultkit.Outcome) -> None:
+    """Nothing of the run's in its $TMPDIR once it ended (a SIGKILLed run's go at the next
+    run's start: :func:`_no_temp_dir_after_the_next_start`)."""
+    assert outcome.temp_left == [], f"{outcome.name}: left in $TMPDIR: {outcome.temp_left}"
+
+
+def _no_temp_dir_after_the_next_start(outcome: faultkit.Outcome) -> None:
+    assert outcome.leaked_dirs == [], (f"{outcome.name}: left in $TMPDIR after the next "
+                                       f"run's sweep: {outcome.leaked_dirs}")
+
+
 @needs_omni
 @pytest.mark.delivers_signal
 @pytest.mark.parametrize("xdist", [False, True], ids=["serial", "xdist"])
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL],
+                         ids=["sigint", "sigterm", "sigkill"])
 def test_killed_run_leaves_no_process(tmp_path: Path, xdist: bool, sig: int) -> None:
-    """KV-A workers hang mid-command (and xdist workers live) when pytest gets the signal."""
+    """KV-A workers hang mid-command (and xdist workers live) when pytest gets the signal.
+
+    SIGTERM (to pytest alone) ends the run as Ctrl-C does: exit status 2, the report, and
+    no process nor temporary directory left.  SIGKILL leaves its directories to the next
+    run, whose start-up removes them (its owner is gone).
+    """
     outcome = faultkit.killed(tmp_path, xdist=xdist, sig=sig)
     assert len(outcome.workers) == (2 if xdist else 1), outcome.output[-3000:]
     assert outcome.watched > outcome.workers  # the xdist workers, resource trackers, ...
     _no_process_left(outcome)
+    _no_temp_dir_after_the_next_start(outcome)
     if sig == signal.SIGKILL:
         assert outcome.returncode == -signal.SIGKILL
+        assert any(n.startswith("kvconform-run-") for n in outcome.temp_left), outcome.temp_left
         return
+    _no_temp_dir_left(outcome)
     assert outcome.returncode == pytest.ExitCode.INTERRUPTED, outcome.output[-3000:]
-    assert "KeyboardInterrupt" in outcome.output
+    assert ("KeyboardInterrupt" if sig == signal.SIGINT else
+            "Terminated: SIGTERM: the run was terminated") in outcome.output
     rows = _report_ok(outcome)  # written with what finished before the interrupt
     assert outcome.report is not None and outcome.report["verdict"] == "interrupted"
     assert rows["test_kv_a2[FLASH_ATTN-bf16_h8]"]["status"] == "passed"
@@ -490,3 +511,19 @@ def test_same_inputs_give_the_same_report(pytester: pytest.Pytester, xdist: bool
     assert statuses["test_kv_a2[FLASH_ATTN-bf16_h8]"] == "passed"
     assert first == second
 
+
+
+@needs_omni
+def test_sigterm_in_start_up_leaves_no_process_nor_temp_dir(tmp_path: Path) -> None:
+    """SIGTERM once the run made its temporary directory (its fork server importing vLLM,
+    pytest discovering): the start-up's interrupted verdict and report, nothing left."""
+    outcome = faultkit.terminated_at_startup(tmp_path)
+    assert outcome.returncode == pytest.ExitCode.INTERRUPTED, outcome.output[-3000:]
+    assert "kvconform: verdict: interrupted" in outcome.output, outcome.output[-3000:]
+    assert outcome.report is not None and outcome.report["verdict"] == "interrupted", \
+        outcome.report_error
+    assert outcome.report["run"]["interruption"].startswith(("Terminated during start-up",
+                                                             "SIGTERM")), outcome.report["run"]
+    assert len(outcome.watched) > 1  # pytest and its fork server at least
+    _no_process_left(outcome)
+    _no_temp_dir_left(outcome)

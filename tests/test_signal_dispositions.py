@@ -52,3 +52,39 @@ def test_signal_tests_pass_with_sigint_inherited_ignored() -> None:
                                                            result.stdout))
     assert counts.get("passed", 0) >= 1 and not counts.get("failed") and not counts.get("error"), \
         tail
+
+
+# SIGTERM in a --kv-conformance run (lifetime.terminate_as_interrupt): Ctrl-C's unwinding
+# where SIGTERM had its default, and nothing changed where someone else chose otherwise.
+SIGTERM_PROBE = '''
+import os, signal, sys
+from pytest_kvconform import lifetime
+
+def now():
+    return signal.Handlers(signal.getsignal(signal.SIGTERM)).name
+
+if sys.argv[1] == "ignored":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+undo = lifetime.terminate_as_interrupt()
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("carried on")
+except KeyboardInterrupt as exc:
+    print(type(exc).__name__, exc, "| again:", now())
+if undo is not None:
+    undo()
+print("after:", now())
+'''
+
+
+def test_sigterm_unwinds_as_ctrl_c_once_then_has_its_default_again() -> None:
+    result = _run("-c", SIGTERM_PROBE, "default", timeout=60)
+    assert result.stdout.splitlines() == [
+        "Terminated SIGTERM: the run was terminated | again: SIG_DFL",
+        "after: SIG_DFL"], result.stdout + result.stderr
+
+
+def test_an_ignored_sigterm_stays_ignored() -> None:
+    result = _run("-c", SIGTERM_PROBE, "ignored", timeout=60)
+    assert result.stdout.splitlines() == ["carried on", "after: SIG_IGN"], \
+        result.stdout + result.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytest_kvconform import forkserver, workers
+from pytest_kvconform import fault_seeds, forkserver, workers
 from pytest_kvconform.worker_extension import page_pattern
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,7 +186,7 @@ def test_a_forked_worker_gets_its_parents_environment_at_start(
 
 STOPS = """
 import os
-from pytest_kvconform import forkserver, workers
+from pytest_kvconform import fault_seeds, forkserver, workers
 from pytest_kvconform.worker_extension import page_pattern
 
 if __name__ == "__main__":
@@ -286,3 +286,85 @@ def test_a_worker_that_dies_before_its_own_code_runs_says_why(
                 capfd.readouterr().err
     finally:
         own.close()
+
+
+# --- $KVCONFORM_WORKER_PIDDIR: PID files never written through a planted link ----------
+
+
+def test_a_planted_symlink_under_the_pid_files_name_gets_nothing_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The target stays as it was; the refusal is one line naming the file, and the process
+    carries on (the worker's result does not depend on its PID file)."""
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    target = tmp_path / "precious"
+    target.write_text("keep\n")
+    (piddir / f"{os.getpid()}.worker").symlink_to(target)
+    (piddir / f"{os.getpid()}.hang").symlink_to(tmp_path / "dangling")  # would be created
+    monkeypatch.setenv(workers.PIDDIR_ENV, str(piddir))
+
+    assert not fault_seeds.mark_pid("worker")
+    assert not fault_seeds.mark_pid("hang")
+
+    assert target.read_text() == "keep\n" and not (tmp_path / "dangling").exists()
+    err = capfd.readouterr().err
+    assert f"kvconform: $KVCONFORM_WORKER_PIDDIR: not writing {os.getpid()}.worker: " \
+           f"{piddir / f'{os.getpid()}.worker'} already exists (a file or a symbolic link " \
+           "put there before this process): left as it is" in err
+    assert err.count("not writing") == 2
+
+
+def test_a_pid_file_is_created_for_this_user_only(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(workers.PIDDIR_ENV, str(tmp_path))
+    assert fault_seeds.mark_pid("worker")
+    made = tmp_path / f"{os.getpid()}.worker"
+    assert made.is_file() and not made.is_symlink() and made.stat().st_mode & 0o777 == 0o600
+    assert not fault_seeds.mark_pid("worker")  # never over what is there, even our own
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777])
+def test_a_pid_dir_anyone_may_plant_files_in_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int) -> None:
+    """World-writable without the sticky bit: refused whole.  With it (as /tmp), only a
+    file or link already there is (O_EXCL | O_NOFOLLOW)."""
+    piddir = tmp_path / "shared"
+    piddir.mkdir()
+    piddir.chmod(mode)
+    monkeypatch.setenv(workers.PIDDIR_ENV, str(piddir))
+    if mode & 0o1000:
+        fault_seeds.check_piddir()
+        assert fault_seeds.mark_pid("worker")
+        return
+    with pytest.raises(ValueError) as info:
+        fault_seeds.check_piddir()
+    assert str(info.value) == (f"$KVCONFORM_WORKER_PIDDIR={piddir}: refusing to write PID "
+                               "files there: anyone may write to it (world-writable, no "
+                               "sticky bit)")
+    assert not fault_seeds.mark_pid("worker") and not list(piddir.iterdir())
+
+
+def test_a_pid_dir_that_is_not_a_directory_is_refused(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(workers.PIDDIR_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"PIDDIR=.*missing: not a directory this run can use "
+                                         r"\(No such file or directory\)"):
+        fault_seeds.check_piddir()
+
+
+def test_a_run_with_an_unsafe_pid_dir_is_a_usage_error_and_leaves_sigterm_as_it_was(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
+    from tests.conftest import KV_ARGS
+
+    piddir = pytester.path / "shared"
+    piddir.mkdir()
+    piddir.chmod(0o777)
+    monkeypatch.setenv(workers.PIDDIR_ENV, str(piddir))
+    result = pytester.runpytest(*KV_ARGS, "-k", "kv_l1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*$KVCONFORM_WORKER_PIDDIR={piddir}: refusing to write PID "
+                                 "files there: anyone may write to it*"])
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run's handler undone
