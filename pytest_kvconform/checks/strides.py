@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvconform import compat, oracle
+from pytest_kvconform import cases, compat, oracle
 from pytest_kvconform.checks import bytemap
-from pytest_kvconform.checks.common import Where
+from pytest_kvconform.checks.common import Where, allocating
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, Unsupported
 from pytest_kvconform.checks.geometry import geometry_for, page_stride
 from pytest_kvconform.model import Case
@@ -167,7 +167,9 @@ def check_views(where: Where, source: str, views: Sequence[Any], whole: Any, bas
                 table: np.ndarray | None, size: int, *, dense: bool) -> None:
     """Write the pattern through one group's views and compare with the oracle."""
     try:
-        found = bytemap.read_back(views, whole, base)
+        with allocating(where, f"writing back the byte map of a {size}-byte KV cache",
+                        size * cases.HOST_BYTES_PER_KV_BYTE):
+            found = bytemap.read_back(views, whole, base)
     except bytemap.InternalOverlap as exc:
         raise where.fail_at(source, f"cells of one view share a byte: {exc}") from exc
     except ValueError as exc:
@@ -179,7 +181,9 @@ def _created_views(where: Where, case: Case, layout: str, tensor: Any, size: int
                    device: str, kernel_block_size: int | None = None
                    ) -> tuple[list[Any], Any, int]:
     """``create_kv_cache_views`` over a guarded buffer of ``size`` bytes."""
-    raw, whole, base = bytemap.guarded_buffer(size, device)
+    with allocating(where, f"allocating a guarded {size}-byte KV cache on {device}",
+                    size * (1 + 2 * bytemap.GUARD_FACTOR)):
+        raw, whole, base = bytemap.guarded_buffer(size, device)
     views = compat.create_kv_cache_views(raw, compat.attention_spec(case), case.num_pages,
                                          compat.layout(layout), tensor, kernel_block_size)
     return _views_in_order(where, VIEWS_SOURCE, views, list(tensor.layers)), whole, base
