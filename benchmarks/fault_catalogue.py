@@ -7,7 +7,9 @@ Run in the default environment, from the repository root:
 Each repetition runs every scenario of ``tests/faultkit.py`` (the same ones
 tests/test_faults_process.py asserts on) in a fresh ``pytest --kv-conformance``
 process: worker faults (hang, die, oom), a blocking declaration, Ctrl-C and
-SIGKILL of pytest, serially and of an xdist controller.  A leak is any PID of
+SIGKILL of pytest, serially and of an xdist controller, a huge case (a usage error
+in < 5 s) and a hung declaration over the whole suite (< 60 s at --kv-timeout 20,
+each later error citing the first timeout; :data:`CHECKS`).  A leak is any PID of
 the run (KV-A workers by their PID files, every descendant of pytest seen
 before a kill) still alive 5 s after the run ended; a missing report is a run
 that asked for one and has none that loads and validates.  Results are
@@ -30,8 +32,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests import faultkit  # the repository root, put on the path above
 
 EXPECTED_RC = {"worker-faults": 1, "blocking-declaration": 1, "sigint-serial": 2,
-               "sigkill-serial": -9, "sigint-xdist": 2, "sigkill-xdist": -9}
-WANTS_REPORT = {"worker-faults", "blocking-declaration", "sigint-serial", "sigint-xdist"}
+               "sigkill-serial": -9, "sigint-xdist": 2, "sigkill-xdist": -9,
+               "huge-case": 4, "hung-declaration": 1}
+WANTS_REPORT = {"worker-faults", "blocking-declaration", "sigint-serial", "sigint-xdist",
+                "hung-declaration"}
+
+
+def _huge_case(outcome: faultkit.Outcome) -> list[str]:
+    """Issue 23: a usage error naming file, case, key and limit, in < 5 s, no report."""
+    problems = []
+    if ("huge.toml, case 'huge', key 'num_pages': 1000000000000 exceeds the limit"
+            not in outcome.output):
+        problems.append("no usage error naming the file, case, key and limit")
+    if outcome.seconds >= 5:
+        problems.append(f"{outcome.seconds:.1f}s, not < 5 s")
+    if (outcome.workdir / "r.json").exists():
+        problems.append("a report was written")
+    return problems
+
+
+def _hung_declaration(outcome: faultkit.Outcome) -> list[str]:
+    """Issue 23: one test pays --kv-timeout, every other one that asks cites it; < 60 s."""
+    errors = {t: r for t, r in outcome.results().items() if r["status"] == "error"}
+    paid = [t for t, r in errors.items() if "was not called again" not in (r["reason"] or "")]
+    problems = [] if len(paid) == 1 else [f"{len(paid)} tests paid the timeout: {paid}"]
+    first = paid[0] if len(paid) == 1 else "it hung in "
+    uncited = [t for t, r in errors.items() if t not in paid and
+               not ("it hung in " in (r["reason"] or "") and first in (r["reason"] or ""))]
+    problems += [f"{len(uncited)} errors cite no first timeout"] if uncited else []
+    if outcome.seconds >= 60:
+        problems.append(f"{outcome.seconds:.1f}s, not < 60 s")
+    return problems
+
+
+# What a scenario must show besides its exit status, report and leaks (a problem fails
+# the catalogue, and RESULTS.md lists it).
+CHECKS = {"huge-case": _huge_case, "hung-declaration": _hung_declaration}
 
 
 def main() -> int:
@@ -42,8 +78,9 @@ def main() -> int:
     parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("RESULTS.md")))
     args = parser.parse_args()
     names = args.only or list(faultkit.SCENARIOS)
-    stats = {n: {"runs": 0, "rc_ok": 0, "missing_reports": 0, "leaked": 0, "seconds": 0.0}
-             for n in names}
+    stats = {n: {"runs": 0, "rc_ok": 0, "missing_reports": 0, "leaked": 0, "seconds": 0.0,
+                 "checks_ok": 0} for n in names}
+    problems: dict[str, list[str]] = {n: [] for n in names}
     started = time.monotonic()
     for rep in range(args.reps):
         for name in names:
@@ -57,10 +94,15 @@ def main() -> int:
             s["missing_reports"] += missing
             s["leaked"] += len(outcome.leaked)
             s["seconds"] += outcome.seconds
+            found = CHECKS[name](outcome) if name in CHECKS else []
+            s["checks_ok"] += not found
+            problems[name] += [f"rep {rep + 1}: {p}" for p in found]
             print(f"rep {rep + 1}/{args.reps} {name}: rc {outcome.returncode} "
                   f"report {'MISSING' if missing else 'ok'} leaked {sorted(outcome.leaked)} "
                   f"workers {len(outcome.workers)} watched {len(outcome.watched)} "
-                  f"{outcome.seconds:.1f}s", flush=True)
+                  f"{outcome.seconds:.1f}s"
+                  + (f" checks {'; '.join(found) or 'ok'}" if name in CHECKS else ""),
+                  flush=True)
     total = time.monotonic() - started
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
@@ -76,12 +118,15 @@ def main() -> int:
                      f"(rc {EXPECTED_RC[name]}) | "
                      f"{s['missing_reports'] if name in WANTS_REPORT else 'n/a (none asked)'} "
                      f"| {s['leaked']} | {s['seconds'] / max(1, s['runs']):.1f} |")
+    lines += [f"\n{name}: {CHECKS[name].__doc__} {stats[name]['checks_ok']}/"
+              f"{stats[name]['runs']} ok" + "".join(f"; {p}" for p in problems[name])
+              for name in names if name in CHECKS]
     text = "\n".join(lines) + "\n"
     with open(args.output, "a", encoding="utf-8") as f:
         f.write(text)
     print(text)
     bad = any(s["leaked"] or s["missing_reports"] or s["rc_ok"] != s["runs"]
-              for s in stats.values())
+              for s in stats.values()) or any(problems.values())
     return 1 if bad else 0
 
 
