@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from pytest_kvconform import budget, run_env
+from pytest_kvconform import budget, memory, run_env
 from pytest_kvconform import clauses as clauses_mod
 from pytest_kvconform.checks.common import via_recorded
 from pytest_kvconform.model import BackendUnderTest, Case
@@ -201,6 +201,13 @@ def _from_class(cls: type) -> BackendUnderTest:
 def _cases(cases: Sequence[Case | str] | None) -> list[Case]:
     from pytest_kvconform import cases as cases_mod
 
+    if cases is not None and not isinstance(cases, str):
+        for record in cases:  # held to a case file's limits (issue 23)
+            if isinstance(record, Case):
+                try:
+                    cases_mod.validate_case(record)
+                except cases_mod.CaseFileError as exc:
+                    raise ValueError(f"check_backend: {exc}") from None
     if cases is not None and all(isinstance(c, Case) for c in cases):
         return [c for c in cases if isinstance(c, Case)]
     shipped = cases_mod.load_cases()
@@ -357,7 +364,8 @@ def _execute_check(run: _Run, device: str, kv_workers: Any,
     except HarnessError as exc:
         status, message, error_kind = "error", f"{type(exc).__name__}: {exc}", exc.kind
     except Exception as exc:  # the harness's own fault, not the backend's: an error
-        status, error_kind = "error", ErrorKind.HARNESS
+        status = "error"
+        error_kind = ErrorKind.OOM if memory.is_out_of_memory(exc) else ErrorKind.HARNESS
         message = f"{run.clause.id}: the check raised {type(exc).__name__}: {exc}"
     else:
         status, message = "passed", ""

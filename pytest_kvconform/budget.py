@@ -11,9 +11,11 @@ wait is ever unbounded.  A wait that runs out raises a
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
@@ -70,13 +72,61 @@ class _Outcome:
     error: BaseException | None = None
 
 
-def call(fn: Callable[[], T], what: str, *, default: float = DECLARATION_TIMEOUT_S) -> T:
+@dataclass(frozen=True)
+class _Hang:
+    """A call that timed out and has not returned since: where, and after how long."""
+
+    first: str
+    waited: str
+    done: threading.Event
+
+
+# Calls that hung, by the caller's key (issue 23: a declaration that never returns cost
+# the whole --kv-timeout in each of the 20 tests that asked it).  Per process: under
+# xdist each worker process that asks pays one timeout, then remembers it too.
+_hung: dict[Hashable, _Hang] = {}
+_hung_lock = threading.Lock()
+
+
+def _current_test() -> str | None:
+    """The running pytest test's id (pytest sets ``PYTEST_CURRENT_TEST``), if any."""
+    current = os.environ.get("PYTEST_CURRENT_TEST")
+    return current.rsplit(" (", 1)[0] if current else None
+
+
+def forget_hangs() -> None:
+    """Forget every remembered hang (for tests)."""
+    with _hung_lock:
+        _hung.clear()
+
+
+def call(fn: Callable[[], T], what: str, *, default: float = DECLARATION_TIMEOUT_S,
+         key: Hashable | None = None, label: str | None = None) -> T:
     """``fn()`` in a daemon thread, waited for within the budget; a timeout if it blocks.
 
     The thread cannot be stopped: a call that blocks forever keeps blocking in the
     background (a daemon thread never holds up the process's exit), but the check
     and the run go on.  ``what`` names what was waited for in the error.
+
+    With ``key``, a call that timed out is remembered while its thread has not
+    returned: a later call with the same key is not made, and fails at once with a
+    timeout citing the first (the running test's id and ``label``, and how long it
+    waited), so a hung callee costs one budget per process, not one per test.
     """
+    try:
+        hash(key)
+    except TypeError:  # an unhashable callee: not remembered
+        key = None
+    if key is not None:
+        with _hung_lock:
+            hang = _hung.get(key)
+            if hang is not None and hang.done.is_set():  # it returned after all: ask again
+                del _hung[key]
+                hang = None
+        if hang is not None:
+            raise WaitTimeout(f"{what} was not called again: it hung in {hang.first}, timing "
+                              f"out after {hang.waited}, and has not returned since (this "
+                              "process remembers it)")
     timeout = bound(default)
     outcome = _Outcome()
     done = threading.Event()
@@ -91,6 +141,11 @@ def call(fn: Callable[[], T], what: str, *, default: float = DECLARATION_TIMEOUT
 
     threading.Thread(target=run, name=f"kvconform-bounded-call: {what}", daemon=True).start()
     if not done.wait(timeout):
+        if key is not None:
+            test = _current_test()
+            first = (f"{test} ({label})" if label else test) if test else (label or "a call")
+            with _hung_lock:
+                _hung.setdefault(key, _Hang(first, describe(timeout), done))
         raise WaitTimeout(f"timed out after {describe(timeout)} waiting for {what} to return")
     if outcome.error is not None:
         raise outcome.error

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_kvconform import fault_seeds, tiny_pipeline, worker_extension
+from pytest_kvconform.memory import is_out_of_memory as is_out_of_memory  # re-exported
 from pytest_kvconform.model import Case
 from pytest_kvconform.outcomes import HarnessError
 
@@ -273,14 +274,6 @@ def production_frame(exc: BaseException) -> str:
     if len(chain) > 4:
         chain = [*chain[:2], "...", *chain[-2:]]
     return " -> ".join(chain) or type(exc).__module__
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """torch's CUDA / CPU allocator failures and MemoryError, told apart from other errors."""
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
-        return True
-    text = str(exc).lower()
-    return "out of memory" in text or "can't allocate memory" in text
 
 
 def error_record(exc: BaseException, stage: str) -> dict[str, Any]:

@@ -141,14 +141,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def _startup_checks(options: Options) -> list[Any]:
-    """Output paths and the xfails file, checked before discovery imports vLLM."""
-    from pytest_kvconform import startup
+    """Output paths, the case files and the xfails file, checked before discovery imports
+    vLLM: a bad or oversized case is refused within a second, before any worker starts."""
+    from pytest_kvconform import cases, startup
 
     if options.report is not None:
         try:
             startup.check_report_path(options.report)
         except startup.StartupError as exc:
             raise pytest.UsageError(f"--kv-report: {exc}") from None
+    try:
+        cases.load_cases(options.cases)  # loaded again (and kept) when the session starts
+    except cases.CaseFileError as exc:
+        raise pytest.UsageError(f"--kv-cases: {exc}") from None
     if options.xfails is None:
         return []
     try:

@@ -91,9 +91,9 @@ import types
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from pytest_kvconform import budget, fault_seeds, forkserver, lifetime, tempdirs
+from pytest_kvconform import budget, fault_seeds, forkserver, lifetime, memory, tempdirs
 from pytest_kvconform.devices import Unplaceable
-from pytest_kvconform.engine import is_out_of_memory
+from pytest_kvconform.memory import is_out_of_memory
 from pytest_kvconform.outcomes import ErrorKind, HarnessError
 from pytest_kvconform.worker_extension import process_identity
 
@@ -842,17 +842,7 @@ def free_bytes(device: str) -> int | None:
         import torch
 
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
+    return memory.host_available_bytes()
 
 
 class _WorkerState:

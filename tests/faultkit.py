@@ -280,14 +280,47 @@ def worker_faults(workdir: Path, timeout_s: float = 15.0) -> Outcome:
                    workdir / "r.json", set())
 
 
+# The tests of BLOCKING_SELECT that ask BLOCKING's declaration, in the order they run.
+BLOCKING_TESTS = ("test_kv_l1[BLOCKING]", "test_kv_l2[BLOCKING]", "test_kv_l3[BLOCKING]",
+                  "test_kv_l8_canonical[BLOCKING]", "test_kv_l8_alias[BLOCKING]",
+                  "test_kv_l8_worker_alias[BLOCKING]", "test_kv_l8_env[BLOCKING]")
+BLOCKING_SELECT = ("--kv-backend", "BLOCKING", "--kv-backend", "GOOD", "-k",
+                   "kv_l1 or kv_l2 or kv_l3 or kv_l8")
+
+
 def blocking_declaration(workdir: Path, timeout_s: float = 2.0) -> Outcome:
-    """A backend whose indexes_kv_by_block_stride() blocks for minutes."""
+    """A backend whose indexes_kv_by_block_stride() blocks for minutes, asked by 7 tests:
+    the first pays the timeout, the others error at once citing it."""
     conftest(workdir, BLOCKING_BACKEND)
     started = time.monotonic()
-    proc, piddir = _start(workdir, ["--kv-backend", "BLOCKING", "--kv-backend", "GOOD", "-k",
-                                    "kv_l1 or kv_l2", "--kv-timeout", f"{timeout_s:g}",
+    proc, piddir = _start(workdir, [*BLOCKING_SELECT, "--kv-timeout", f"{timeout_s:g}",
                                     "--kv-report", "r.json", "--junitxml", "j.xml"])
     return _finish("blocking declaration", proc, piddir, started, workdir / "r.json", set())
+
+
+def hung_declaration(workdir: Path, timeout_s: float = 20.0) -> Outcome:
+    """The whole suite for one backend whose declaration never
+    returns, at ``--kv-timeout 20``; 20 tests ask it, one budget is paid (< 60 s)."""
+    conftest(workdir, backends_conftest({"BLOCKING": Blocking}))
+    started = time.monotonic()
+    proc, piddir = _start(workdir, ["--kv-backend", "BLOCKING", "--kv-timeout", f"{timeout_s:g}",
+                                    "--kv-report", "r.json"])
+    return _finish("hung declaration", proc, piddir, started, workdir / "r.json", set())
+
+
+# A case asking for a BlockPool of 10^12 blocks (before case limits: a host OOM).
+HUGE_CASE = '[[case]]\nid = "huge"\nnum_pages = 1000000000000\n'
+
+
+def huge_case(workdir: Path) -> Outcome:
+    """``--kv-cases huge.toml``: a usage error naming the file, case, key and limit, before
+    anything heavy is imported (< 5 s); no report is written."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "huge.toml").write_text(HUGE_CASE)
+    started = time.monotonic()
+    proc, piddir = _start(workdir, ["--kv-cases", "huge.toml", "-k", "kv_n1",
+                                    "--kv-report", "r.json"])
+    return _finish("huge case", proc, piddir, started, None, set(), timeout=120.0)
 
 
 def killed(workdir: Path, *, xdist: bool, sig: int) -> Outcome:
@@ -468,4 +501,6 @@ SCENARIOS = {
     "sigterm-startup": terminated_at_startup,
     "sigterm-serial": lambda d: killed(d, xdist=False, sig=signal.SIGTERM),
     "sigterm-xdist": lambda d: killed(d, xdist=True, sig=signal.SIGTERM),
+    "huge-case": huge_case,
+    "hung-declaration": hung_declaration,
 }

@@ -14,7 +14,7 @@ import pytest
 
 import pytest_kvconform
 from pytest_kvconform import api, workers
-from pytest_kvconform.model import BackendUnderTest
+from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.outcomes import ClauseSkip, ErrorKind, HarnessError, SkipKind
 from tests.conftest import needs_omni
 from tests.seeding import Seeder
@@ -58,6 +58,7 @@ def test_an_unimportable_backend_is_a_backend_skip() -> None:
 @pytest.mark.parametrize(("raised", "status", "kind"), [
     (RuntimeError("boom"), "error", ErrorKind.HARNESS),
     (HarnessError("worker 3 timed out", kind=ErrorKind.TIMEOUT), "error", ErrorKind.TIMEOUT),
+    (MemoryError("cannot allocate 10^12 blocks"), "error", ErrorKind.OOM),
     (ClauseSkip("KV-L1", "no CUDA here", SkipKind.HARDWARE), "skipped", None),
 ])
 def test_every_outcome_of_a_check_is_a_result(seed: Seeder, raised: Exception, status: str,
@@ -79,6 +80,10 @@ def test_every_outcome_of_a_check_is_a_result(seed: Seeder, raised: Exception, s
     ({"clauses": ["L1"]}, "not a clause id: 'L1'"),
     ({"cases": ["bf16_h8", "nope"]}, "unknown case 'nope'; shipped cases: .*bf16_h8"),
     ({"device": "tpu"}, "invalid value 'tpu'"),
+    # KV-L1 allocates nothing: without the bound the call would just pass, never OOM.
+    ({"cases": [Case(id="huge", file="mine", num_pages=10**12)], "clauses": ["KV-L1"]},
+     "^check_backend: mine, case 'huge', key 'num_pages': 1000000000000 exceeds the limit "
+     "65536"),
 ])
 def test_bad_input_is_one_clear_error(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -185,3 +185,42 @@ def test_n5_ranks_not_shrinking_tensors(kv_run: Callable[..., pytest.RunResult],
     _patch_rank_sizing(seed, unshrunk)
     _run(kv_run, {"KV-N5": ("rank 0 (memory for 19 pages) kv_cache_tensors[0].size must shrink "
                             "to 16", "expected: 32768", "actual:   38912")})
+
+
+def test_n1_pool_out_of_memory_is_an_oom_error(kv_run: Callable[..., pytest.RunResult],
+                                               seed: Seeder, pytester: pytest.Pytester) -> None:
+    """Issue 23: an allocation that fails in the test process is the harness's ``oom``
+    error naming the case and the bytes asked, never a crash or the backend's failure."""
+    import json
+
+    def exhausted(num_blocks: int) -> Any:
+        raise MemoryError(f"cannot allocate a pool of {num_blocks} blocks")
+
+    seed.replace("pytest_kvconform.compat.block_pool", exhausted)
+    result = kv_run("-k", "kv_n1 and bf16_h8", "--kv-report", "r.json")
+    result.assert_outcomes(failed=1)  # pytest's outcome; the report says error
+    [row] = json.loads((pytester.path / "r.json").read_text())["results"]
+    assert (row["status"], row["error_kind"]) == ("error", "oom")
+    assert ("KV-N1 [case=bf16_h8]: harness error (oom) while building a BlockPool of 16 "
+            "blocks: it ran out of memory asking for about 4096 bytes") in row["reason"]
+    assert "MemoryError: cannot allocate a pool of 16 blocks" in row["reason"]
+    assert "violated" not in row["reason"]
+
+
+def test_n1_pool_past_the_hosts_memory_is_refused_unallocated(seed: Seeder) -> None:
+    """A case made in code (no file limits) asking for more than the host has: refused
+    before vLLM allocates anything, as an ``oom`` error."""
+    from pytest_kvconform import cases, memory
+    from pytest_kvconform.checks import nullblock
+
+    case = next(c for c in cases.load_cases() if c.id == "bf16_h8")
+    built: list[int] = []
+    seed.replace("pytest_kvconform.compat.block_pool", built.append)
+    seed.replace("pytest_kvconform.memory.host_available_bytes", lambda: 1000)
+    with pytest.raises(memory.OutOfMemory) as info:
+        nullblock.check_kv_n1(case)
+    assert info.value.kind.value == "oom" and built == []
+    assert str(info.value) == (
+        "KV-N1 [case=bf16_h8]: harness error (oom) while building a BlockPool of 16 blocks: "
+        "it would take about 4096 bytes, more than 0.5 of the 1000 bytes this host has "
+        "available; not attempted")

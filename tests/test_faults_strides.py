@@ -176,3 +176,24 @@ def test_unpatched_selection_passes(kv_run, select: str) -> None:
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed", 0) > 0, result.stdout.str()
     result.assert_outcomes(passed=outcomes["passed"])
+
+
+def test_allocation_out_of_memory_is_an_oom_error_not_a_failure(
+        kv_run: Callable[..., pytest.RunResult], seed: Seeder, pytester: pytest.Pytester) -> None:
+    """Issue 23: torch's CPU allocator failing inside ``allocate_kv_cache`` is the
+    harness's ``oom`` error naming the case and bytes, not a violation blamed on vLLM."""
+    import json
+
+    def exhausted(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
+                           "allocate memory: you tried to allocate 32768 bytes")
+
+    seed.replace("pytest_kvconform.compat.allocate_kv_cache", exhausted)
+    result = kv_run("-k", "kv_s2_allocate and LBNHC and bf16_h8", "--kv-report", "r.json")
+    result.assert_outcomes(failed=1)  # pytest's outcome; the report says error
+    [row] = json.loads((pytester.path / "r.json").read_text())["results"]
+    assert (row["status"], row["error_kind"]) == ("error", "oom"), row["reason"]
+    assert ("KV-S2 [case=bf16_h8, layout=LBNHC]: harness error (oom) while allocating the "
+            "planned 32768-byte KV cache on cpu: it ran out of memory asking for about 32768 "
+            "bytes") in row["reason"]
+    assert "violated" not in row["reason"]

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_kvconform import budget
+from pytest_kvconform import budget, memory
 from pytest_kvconform.checks.errors import (
     ClauseFailure,
     ClauseSkip,
@@ -59,10 +59,11 @@ class Where:
         return ClauseSkip(self.clause, reason, kind)
 
     def call(self, source: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run production code; an exception is a violation here, not a crash."""
+        """Run production code; an exception is a violation here, not a crash (a harness
+        error raised inside, e.g. an allocation of ours that would not fit, stays one)."""
         try:
             return fn(*args, **kwargs)
-        except (ClauseFailure, ClauseSkip):
+        except (ClauseFailure, ClauseSkip, HarnessError):
             raise
         except Unsupported as exc:
             raise exc.skip(self.clause) from None
@@ -125,6 +126,19 @@ def unsupported_as_skip(clause: str) -> Iterator[None]:
         raise exc.skip(clause) from None
 
 
+@contextlib.contextmanager
+def allocating(where: Where, what: str, asked: int) -> Iterator[None]:
+    """An allocation of about ``asked`` bytes in the test process, bounded by the host's
+    available memory: one it cannot hold (refused up front, or failing with MemoryError /
+    torch's allocator error) is an ``oom`` error naming the clause, the case and the bytes,
+    never a host OOM (the case files are bounded too; a Case made in code may not be)."""
+    try:
+        with memory.bounded(asked):
+            yield
+    except memory.OutOfMemory as exc:
+        raise where.harness(exc, what) from exc
+
+
 def backend_class(clause: str, backend: BackendUnderTest) -> Any:
     """The backend's class, or the skip that reports why it cannot be imported."""
     if backend.source == "none":  # nothing was discovered; the reason says why
@@ -163,11 +177,15 @@ def call_declaration(clause: str, backend: str, method: Any) -> Any:
     """``method()`` (a backend's layout declaration) bounded by the per-test budget.
 
     A declaration that blocks becomes a timeout error naming the clause, the
-    backend and the call, not a hung run.
+    backend and the call, not a hung run.  Once it has timed out, every later test
+    asking the same backend's declaration errors at once, citing the first, while the
+    call still has not returned (``budget.call``'s ``key``): one budget per hung
+    backend, not one per test.
     """
     try:
         return budget.call(method, f"{backend}.indexes_kv_by_block_stride() (the backend's "
-                           "layout declaration)")
+                           "layout declaration)", key=("declaration", backend, method),
+                           label=clause)
     except budget.WaitTimeout as exc:
         raise budget.WaitTimeout(f"{clause} [backend={backend}]: {exc}") from None
 

@@ -12,7 +12,7 @@ from pytest_kvconform.model import Case
 
 def page_stride(case: Case) -> int:
     """Bytes one (layer, block) page occupies, padding included."""
-    return case.page_size_padded or cases.page_bytes(case)
+    return cases.page_stride(case)
 
 
 def geometry_for(case: Case, num_blocks: int | None = None, num_layers: int | None = None,

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvconform import compat, oracle
+from pytest_kvconform import cases, compat, oracle
 from pytest_kvconform.checks import bytemap
-from pytest_kvconform.checks.common import Where
-from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, Unsupported
+from pytest_kvconform.checks.common import Where, allocating
+from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, HarnessError, Unsupported
 from pytest_kvconform.checks.geometry import geometry_for, page_stride
 from pytest_kvconform.model import Case
 
@@ -167,7 +167,9 @@ def check_views(where: Where, source: str, views: Sequence[Any], whole: Any, bas
                 table: np.ndarray | None, size: int, *, dense: bool) -> None:
     """Write the pattern through one group's views and compare with the oracle."""
     try:
-        found = bytemap.read_back(views, whole, base)
+        with allocating(where, f"writing back the byte map of a {size}-byte KV cache",
+                        size * cases.HOST_BYTES_PER_KV_BYTE):
+            found = bytemap.read_back(views, whole, base)
     except bytemap.InternalOverlap as exc:
         raise where.fail_at(source, f"cells of one view share a byte: {exc}") from exc
     except ValueError as exc:
@@ -175,11 +177,21 @@ def check_views(where: Where, source: str, views: Sequence[Any], whole: Any, bas
     compare_bytes(where, source, found, table, size, dense=dense)
 
 
+def _allocate(where: Where, config: Any, device: str, member: Any,
+              kernel_sizes: list[int] | None = None) -> dict[str, Any]:
+    """``allocate_kv_cache`` on the planner's config: bounded, or an ``oom`` error."""
+    asked = sum(int(t.size) for t in config.kv_cache_tensors)
+    with allocating(where, f"allocating the planned {asked}-byte KV cache on {device}", asked):
+        return compat.allocate_kv_cache(config, device, member, kernel_sizes)
+
+
 def _created_views(where: Where, case: Case, layout: str, tensor: Any, size: int,
                    device: str, kernel_block_size: int | None = None
                    ) -> tuple[list[Any], Any, int]:
     """``create_kv_cache_views`` over a guarded buffer of ``size`` bytes."""
-    raw, whole, base = bytemap.guarded_buffer(size, device)
+    with allocating(where, f"allocating a guarded {size}-byte KV cache on {device}",
+                    size * (1 + 2 * bytemap.GUARD_FACTOR)):
+        raw, whole, base = bytemap.guarded_buffer(size, device)
     views = compat.create_kv_cache_views(raw, compat.attention_spec(case), case.num_pages,
                                          compat.layout(layout), tensor, kernel_block_size)
     return _views_in_order(where, VIEWS_SOURCE, views, list(tensor.layers)), whole, base
@@ -232,7 +244,7 @@ def check_kv_s2_allocate(layout: str, case: Case, device: str) -> None:
     layers = compat.layer_names(case)
     config = where.call(PLANNER_SOURCE, planned_config, case, layout)
     planned = _single_tensor(where, config)
-    allocated = where.call(ALLOCATE_SOURCE, compat.allocate_kv_cache, config, device,
+    allocated = where.call(ALLOCATE_SOURCE, _allocate, where, config, device,
                            compat.layout(layout))
     views = _views_in_order(where, ALLOCATE_SOURCE, allocated, layers)
     whole, base = bytemap.storage_bytes(views[0])
@@ -278,7 +290,7 @@ def _documented_or_fail(where: Where, source: str, run: Callable[[], Any],
     expected = " or ".join(f"{kind.__name__} containing {text!r}" for kind, text in documented)
     try:
         run()
-    except (ClauseFailure, ClauseSkip):
+    except (ClauseFailure, ClauseSkip, HarnessError):
         raise
     except Unsupported as exc:
         raise exc.skip(where.clause) from None
@@ -310,7 +322,7 @@ def check_kv_s4(layout: str, case: Case, device: str) -> None:
 
     def via_allocate() -> tuple[Any, dict[str, Any]]:
         config = planned_config(case, layout)
-        views = compat.allocate_kv_cache(config, device, member, kernel_sizes)
+        views = _allocate(where, config, device, member, kernel_sizes)
         return config, views
 
     try:
@@ -343,7 +355,7 @@ def _check_groups(where: Where, source: str, config: Any, device: str) -> None:
     case, layout = where.the_case, where.layout or ""
     groups = list(config.kv_cache_groups)
     tensors = list(config.kv_cache_tensors)
-    allocated = where.call(ALLOCATE_SOURCE, compat.allocate_kv_cache, config, device,
+    allocated = where.call(ALLOCATE_SOURCE, _allocate, where, config, device,
                            compat.layout(layout))
     sizes = {len(g.layer_names) for g in groups}
     for index, group in enumerate(groups):
