@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pytest_kvconform"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("outcomes", ("pytest_kvconform", "outcomes", "model", "clauses", "cases", "budget",
                   "forkserver", "forkserver_guard", "forkserver_ready",
-                  "faults", "options", "hookspecs", "lifetime", "memory", "tempdirs", "devices", "standins",
+                  "faults", "options", "hookspecs", "lifetime", "memory", "tempdirs", "devices",
+                  "standins",
                   "run_env",
                   "checks.errors")),
     ("oracle", ("oracle",)),
