@@ -1,4 +1,4 @@
-"""Issue 12's goals, measured side by side in one run, as ratios.
+"""The suite's cost goals, measured side by side in one run, as ratios.
 
 Run in the default environment:  python benchmarks/bench_goals.py [--label L] [--repeat N]
 [--suite-repeat N] [--skip NAME ...] [-o FILE].  Each measurement is a fresh process
@@ -87,7 +87,7 @@ def cases_file(tmp: str) -> str:
             "world_size = 1", 'dtype = "bfloat16"', "head_size = 8", ""]
     for i in range(40):
         body += ["[[case]]", f'id = "perf_{i:02d}"', f"num_pages = {16 + i}",
-                 'description = "issue 12: one more world-size-1 adoption case"', ""]
+                 'description = "one more world-size-1 adoption case"', ""]
     Path(path).write_text("\n".join(body), encoding="utf-8")
     return path
 
@@ -186,7 +186,7 @@ def main() -> int:
         ("peak RSS per process, MiB", max((r[2] for r in rows), default=0), "< 1024"),
     ]
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    out = [f"\n## {stamp} — issue 12 goals{', ' + args.label if args.label else ''} "
+    out = [f"\n## {stamp} — cost goals{', ' + args.label if args.label else ''} "
            f"({os.cpu_count()} cores)\n",
            "| measurement | wall s | peak RSS MiB | exit | load 1/5/15 | last line |",
            "|---|---|---|---|---|---|"]

@@ -1,7 +1,7 @@
 """Benchmark-only pytest plugin: let KV-A run on bench_goals.py's ``perf_NN`` cases too.
 
-The suite runs KV-A on ``clauses.A_CASES`` only; issue 12's "each extra adoption case"
-goal needs 40 world-size-1 cases through the same tests, so this widens that tuple.
+The suite runs KV-A on ``clauses.A_CASES`` only; the "each extra adoption case"
+goal (bench_goals.py) needs 40 world-size-1 cases through the same tests, so this widens that tuple.
 Loaded with ``-p perf_cases_plugin`` (benchmarks/ on ``PYTHONPATH``); never by users.
 """
 

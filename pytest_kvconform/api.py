@@ -202,7 +202,7 @@ def _cases(cases: Sequence[Case | str] | None) -> list[Case]:
     from pytest_kvconform import cases as cases_mod
 
     if cases is not None and not isinstance(cases, str):
-        for record in cases:  # held to a case file's limits (issue 23)
+        for record in cases:  # held to a case file's limits
             if isinstance(record, Case):
                 try:
                     cases_mod.validate_case(record)

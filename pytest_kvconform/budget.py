@@ -81,8 +81,8 @@ class _Hang:
     done: threading.Event
 
 
-# Calls that hung, by the caller's key (issue 23: a declaration that never returns cost
-# the whole --kv-timeout in each of the 20 tests that asked it).  Per process: under
+# Calls that hung, by the caller's key (a declaration that never returns would otherwise
+# cost the whole --kv-timeout in every test that asks it).  Per process: under
 # xdist each worker process that asks pays one timeout, then remembers it too.
 _hung: dict[Hashable, _Hang] = {}
 _hung_lock = threading.Lock()

@@ -3,7 +3,7 @@
 Stdlib only.  A bad file gets one :class:`CaseFileError` naming the file, the
 case and the key, so a typo never turns into a silently skipped case.
 
-Every number is bounded (issue 23): a case file is input, and a number past what any
+Every number is bounded: a case file is input, and a number past what any
 clause needs must not become a host-sized allocation in the test process (a BlockPool
 of 10^12 blocks grew pytest until the kernel's OOM killer ended it, with no verdict).
 :data:`LIMITS` bounds each key from the sizes the clauses use; :func:`kv_bytes_limit`

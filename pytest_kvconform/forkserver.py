@@ -1,4 +1,4 @@
-"""The KV-A workers' fork server (issue 12): vLLM / vllm-omni imported once, workers forked.
+"""The KV-A workers' fork server: vLLM / vllm-omni imported once, workers forked.
 
 multiprocessing's ``forkserver`` start method, with a preload: one server process,
 started by the test process, imports the workers' modules once; every worker is
@@ -14,7 +14,7 @@ and the last release stops it, so no server outlives the session.
 Under xdist the controller starts the one server of the run and hands it to its
 workers through ``workerinput`` (:func:`share`); each worker :func:`attach`-es to it
 instead of starting its own, so a CPU run imports vLLM once per xdist worker plus
-once for the server, not twice per worker (issue 12).  An attached process never
+once for the server, not twice per worker.  An attached process never
 stops the server (it is its starter's): :func:`stop` only detaches.
 
 Lifetime: its preload starts with :mod:`forkserver_guard`, whose import ties the

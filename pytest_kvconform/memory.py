@@ -2,7 +2,7 @@
 
 Stdlib only.  Linux overcommits: an allocation far past the host's memory usually
 succeeds and then grows the process until the kernel's OOM killer ends it, with no
-verdict and no report (issue 23).  So an allocation the harness makes in its own
+verdict and no report.  So an allocation the harness makes in its own
 process is checked against the host's available memory *before* it is made
 (:func:`bounded`), and one that still fails (``MemoryError``, torch's allocator
 errors) becomes the same :class:`OutOfMemory` error, of kind ``oom``.

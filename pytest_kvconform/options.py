@@ -10,8 +10,8 @@ import pytest
 
 GROUP = "kvconform"
 # --kv-timeout's default, per test: budget.DEFAULT_TIMEOUT_S (the plain API's), kept here too
-# so that a run without --kv-conformance imports no budget / outcomes (issue 12's plugin-off
-# goal); tests/test_plugin.py checks that the two agree.
+# so that a run without --kv-conformance imports no budget / outcomes (the plugin-off
+# cost); tests/test_plugin.py checks that the two agree.
 DEFAULT_TIMEOUT_S = 300.0
 
 

@@ -36,7 +36,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     """xdist sizes ``-n auto`` before pytest_configure; its hooks must be in by then.
 
     Only with ``--kv-conformance`` (or its ini key): a run with the plugin off imports
-    nothing more than this module and ``options`` (issue 12's plugin-off cost).
+    nothing more than this module and ``options`` (the plugin-off cost, bench_goals.py).
     """
     known = getattr(early_config, "known_args_namespace", None)
     if not getattr(known, "kv_conformance", None):
@@ -103,7 +103,7 @@ def _interrupted_before_results(config: pytest.Config, options: Options,
 
 
 def _speculate_workers(config: pytest.Config, options: Options, session: KvSession) -> None:
-    """Start the KV-A workers now if KV-A tests may be selected (issue 12).
+    """Start the KV-A workers now if KV-A tests may be selected, overlapping discovery.
 
     For CPU workers, their fork server (``forkserver.py``; the workers fork from it
     after collection).  The ~20 s import then overlaps this process's own import and

@@ -6,8 +6,8 @@
   GEMM kernels), which then starts two background builds, each a Python process that
   imports torch and compiles a CUDA launcher.  The suite launches no humming kernel, so
   those builds only compete for the cores: 5 s of a 21 s serial run on 2 cores, more
-  under xdist, where every process that imports vLLM starts its own pair (issue 12,
-  benchmarks/RESULTS.md).  A serving process started later builds them when it needs them.
+  under xdist, where every process that imports vLLM starts its own pair
+  (benchmarks/RESULTS.md).  A serving process started later builds them when it needs them.
 
 On a CPU run (:data:`CPU_DEFAULTS`), also the platforms production's diffusion worker
 needs there: ``VLLM_TARGET_DEVICE=cpu`` (vLLM's own switch to its CPU platform, which
@@ -21,7 +21,7 @@ inherit them; restored at the end of the run.
 Also :func:`freeze_heap` / :func:`thaw_heap`: after collection, the objects the serving
 stack's import left behind (~940,000 tracked by the garbage collector) are moved out of
 its reach for the tests, so a full collection (one during the suite, and pytest's own two
-at the end of the run) no longer walks them: 0.3-0.4 s each on 2 cores (issue 12).  They
+at the end of the run) no longer walks them: 0.3-0.4 s each on 2 cores.  They
 are handed back when the run ends, before the process exits: the interpreter's final
 collections find what they always did, and a pytester run leaves nothing frozen.
 

@@ -1,6 +1,6 @@
 """Before collection: may this run select a KV-A test that needs worker processes?
 
-Used only to start the KV-A workers early (issue 12), so a wrong "yes" costs one
+Used only to start the KV-A workers early, so a wrong "yes" costs one
 dropped worker and a wrong "no" costs only the overlap; nothing is decided by it.
 """
 

@@ -69,8 +69,8 @@ class KvSelection:
         self.plugins: Any = None  # omni_plugins.PluginLoad, after start()
         # What discovery's imports printed (run_env.import_messages); None until it ran.
         self.import_log: list[dict[str, Any]] | None = None
-        # An xdist controller discovers nothing itself (issue 12: that import would come
-        # before any worker starts); its workers hand theirs over (pytest_testnodedown).
+        # An xdist controller discovers nothing itself (that import would come before
+        # any worker starts); its workers hand theirs over (pytest_testnodedown).
         self.remote = False
         self.remote_discovery: dict[str, Any] | None = None
         self.remote_notes: list[str] = []

@@ -74,7 +74,7 @@ def test_dtype_sizes_are_one_table() -> None:
     assert all(cases.DTYPE_SIZES[d] == oracle.dtype_size(d) for d in cases.CASE_DTYPES)
 
 
-# --- limits (issue 23): a case file cannot ask for a host-sized allocation ------------------
+# --- limits: a case file cannot ask for a host-sized allocation ------------------
 
 # The smallest case: an 8-byte page (1 head x 1 token x K+V x 1 fp32 element), 1 layer.
 TINY = {"block_size": 1, "num_kv_heads": 1, "head_size": 1, "dtype": '"float32"',

@@ -189,7 +189,7 @@ def test_n5_ranks_not_shrinking_tensors(kv_run: Callable[..., pytest.RunResult],
 
 def test_n1_pool_out_of_memory_is_an_oom_error(kv_run: Callable[..., pytest.RunResult],
                                                seed: Seeder, pytester: pytest.Pytester) -> None:
-    """Issue 23: an allocation that fails in the test process is the harness's ``oom``
+    """An allocation that fails in the test process is the harness's ``oom``
     error naming the case and the bytes asked, never a crash or the backend's failure."""
     import json
 

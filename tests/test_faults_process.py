@@ -228,7 +228,7 @@ def slow_backend() -> Iterator[BackendUnderTest]:
 
 def test_blocking_declaration_is_a_timeout_naming_clause_and_backend(
         slow_backend: BackendUnderTest) -> None:
-    """The first call pays the budget; the next errors at once citing it (issue 23), until
+    """The first call pays the budget; the next errors at once citing it, until
     the hung call returns."""
     this_test = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
     for call, pattern in (
@@ -305,7 +305,7 @@ def test_case_with_one_page_stops_the_run_with_a_usage_error(pytester: pytest.Py
 
 def test_huge_case_stops_the_run_with_a_usage_error_naming_the_limit(
         pytester: pytest.Pytester, kv_run: Any) -> None:
-    """Issue 23: a BlockPool of 10^12 blocks once grew pytest until the kernel killed it.
+    """A BlockPool of 10^12 blocks once grew pytest until the kernel killed it.
     The case is refused when the file is loaded (before discovery imports anything, so
     ``--collect-only`` keeps the unbounded code from allocating if the bound is gone)."""
     pytester.makefile(".toml", huge='[[case]]\nid = "huge"\nnum_pages = 1000000000000\n')
@@ -394,7 +394,7 @@ def test_worker_fault_run_exits_1_with_a_valid_report_and_no_process_left(
 @needs_omni
 def test_blocking_declaration_is_an_error_paid_for_once_and_the_run_goes_on(
         tmp_path: Path) -> None:
-    """Issue 23: the first test asking a declaration that never returns pays the budget;
+    """The first test asking a declaration that never returns pays the budget;
     every later one errors at once (kind timeout), citing that test and the timeout."""
     outcome = faultkit.blocking_declaration(tmp_path)
     assert outcome.returncode == pytest.ExitCode.TESTS_FAILED, outcome.output[-3000:]

@@ -180,7 +180,7 @@ def test_unpatched_selection_passes(kv_run, select: str) -> None:
 
 def test_allocation_out_of_memory_is_an_oom_error_not_a_failure(
         kv_run: Callable[..., pytest.RunResult], seed: Seeder, pytester: pytest.Pytester) -> None:
-    """Issue 23: torch's CPU allocator failing inside ``allocate_kv_cache`` is the
+    """Torch's CPU allocator failing inside ``allocate_kv_cache`` is the
     harness's ``oom`` error naming the case and bytes, not a violation blamed on vLLM."""
     import json
 

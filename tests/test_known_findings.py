@@ -30,7 +30,7 @@ def _toml(entries: list[dict[str, str]]) -> str:
 
 def test_shipped_file_passes_strict(pytester: pytest.Pytester, kv_run) -> None:
     result = kv_run(*SELECT, "--kv-strict", "--kv-xfails", str(KNOWN), "--kv-report", "r.json")
-    # Nothing in the selection blocks; but a -k selection never qualifies (issue 15): it is
+    # Nothing in the selection blocks; but a -k selection never qualifies: it is
     # "partial", which strict mode refuses.  The full matrix qualifies in .ci/run.
     data = json.loads((pytester.path / "r.json").read_text())
     assert data["summary"]["blocking"] == [], result.stdout.str()[-3000:]

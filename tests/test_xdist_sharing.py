@@ -1,6 +1,6 @@
 """Under xdist the serving stack is imported once per xdist worker plus once for the
 CPU KV-A workers' fork server, which all xdist workers share; the controller imports
-none of it (issue 12).  Subprocess runs: the controller must be a fresh process."""
+none of it.  Subprocess runs: the controller must be a fresh process."""
 
 from __future__ import annotations
 
