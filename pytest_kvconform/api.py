@@ -41,6 +41,7 @@ from pytest_kvconform.outcomes import (
     HarnessError,
     SkipKind,
     Unsupported,
+    describe_error,
 )
 
 Status = Literal["passed", "failed", "skipped", "error"]
@@ -177,7 +178,7 @@ def backend_under_test(backend: Any) -> BackendUnderTest:
             cls = discovery.import_object(backend)
         except Exception as exc:  # reported by every clause as the backend's skip
             return BackendUnderTest(backend, backend, API_SOURCE,
-                                    error=discovery.describe_error(exc))
+                                    error=describe_error(exc))
         return _from_class(cls)
     if not isinstance(backend, type):
         raise ValueError(f"check_backend: expected a backend class, a BackendUnderTest or a "

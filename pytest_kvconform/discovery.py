@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from pytest_kvconform import compat
 from pytest_kvconform.model import BackendUnderTest
+from pytest_kvconform.outcomes import describe_error
 
 ENTRY_POINT_GROUP = "pytest_kvconform.backends"
 OMNI_MISSING = "vllm-omni not installed"
@@ -51,21 +52,6 @@ class Discovery:
             if backend.name == name:
                 return backend
         raise KeyError(name)
-
-
-def describe_error(exc: BaseException) -> str:
-    """``ImportError: No module named 'x'`` - never an empty string.
-
-    A bare re-raise (``raise ImportError`` inside ``except``) says nothing itself;
-    the exception it replaced does, so that one is named too.
-    """
-    text = str(exc).strip()
-    if text:
-        return f"{type(exc).__name__}: {text}"
-    inner = exc.__cause__ or exc.__context__
-    if inner is not None and inner is not exc:
-        return f"{type(exc).__name__} (caused by {describe_error(inner)})"
-    return f"{type(exc).__name__} (no message)"
 
 
 def import_object(spec: str) -> Any:

@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
+from pytest_kvconform.outcomes import describe_error
+
 MODES = ("production", "none")
 ENV = "VLLM_PLUGINS"
 CPU_PLATFORM_ENV = "KVCONFORM_CPU_OMNI_PLATFORM"  # omni_cpu_platform.ENV
@@ -124,11 +126,6 @@ class PluginLoad:
                              "without this plugin)")
         lines += [f"kvconform: note: plugins: {note}" for note in self.notes]
         return lines
-
-
-def describe_error(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # --- registry state -------------------------------------------------------------------

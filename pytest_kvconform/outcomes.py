@@ -118,3 +118,18 @@ class HarnessError(RuntimeError):
         if kind is not None:
             self.kind = kind
         super().__init__(message)
+
+
+def describe_error(exc: BaseException) -> str:
+    """``ImportError: No module named 'x'`` - never an empty string.
+
+    A bare re-raise (``raise ImportError`` inside ``except``) says nothing itself;
+    the exception it replaced does, so that one is named too.
+    """
+    text = str(exc).strip()
+    if text:
+        return f"{type(exc).__name__}: {text}"
+    inner = exc.__cause__ or exc.__context__
+    if inner is not None and inner is not exc:
+        return f"{type(exc).__name__} (caused by {describe_error(inner)})"
+    return f"{type(exc).__name__} (no message)"

@@ -118,8 +118,9 @@ def _speculate_workers(config: pytest.Config, options: Options, session: KvSessi
             or not selection_guess.may_select_adoption(config)):
         return
     from pytest_kvconform import workers
+    from pytest_kvconform.xdist_hooks import is_controller
 
-    if selection_guess.is_xdist_controller(config):
+    if is_controller(config):
         if session.device == "cpu":  # so are its workers' KV-A workers: one server for all
             workers.pool().warm(["cpu"])  # shared through workerinput (xdist_hooks.py)
         return

@@ -14,13 +14,6 @@ ADOPTION_TESTS = ("test_kv_a1", "test_kv_a2", "test_kv_a3", "test_kv_a4", "test_
                   "test_layout.py", "test_layout")
 
 
-def is_xdist_controller(config: Any) -> bool:
-    """This process will hand the tests to xdist workers (and run none itself)."""
-    from pytest_kvconform.xdist_hooks import planned_worker_count
-
-    return planned_worker_count(config) > 0 and not hasattr(config, "workerinput")
-
-
 def may_select_adoption(config: Any) -> bool:
     """Whether ``-k`` leaves any KV-A test in the run (in whichever process runs it)."""
     keyword = getattr(config.option, "keyword", "") or ""

@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import cases as cases_mod
-from pytest_kvconform import compat, run_env
-from pytest_kvconform.discovery import Discovery, DiscoveryError, describe_error, discover
+from pytest_kvconform import compat, run_env, xdist_hooks
+from pytest_kvconform.discovery import Discovery, DiscoveryError, discover
 from pytest_kvconform.model import BackendUnderTest, Case, clause_from_test_name
 from pytest_kvconform.omni_plugins import load_plugins
 from pytest_kvconform.options import Options
+from pytest_kvconform.outcomes import describe_error
 
 NO_BACKEND_ID = "no-backend"
 XFAIL_PROPERTY = "kv_xfail"
@@ -100,7 +101,7 @@ class KvSelection:
             self.cases = cases_mod.load_cases(self.options.cases)
         except cases_mod.CaseFileError as exc:
             raise pytest.UsageError(f"--kv-cases: {exc}") from None
-        if self._is_xdist_controller():
+        if xdist_hooks.is_controller(self.config):
             self.remote = True
             return
         started = time.monotonic()
@@ -124,11 +125,6 @@ class KvSelection:
             raise pytest.UsageError(f"kvconform: {exc}") from None
         self.discovery_seconds = time.monotonic() - started
         self._select_backends()
-
-    def _is_xdist_controller(self) -> bool:
-        """xdist distributes this run: the workers discover, collect and run the suite."""
-        return (getattr(self.config, "workerinput", None) is None
-                and self.config.pluginmanager.has_plugin("dsession"))
 
     def _hook_backends(self) -> list[Any]:
         """Every ``pytest_kvconform_backends`` result; one that raises is a usage error

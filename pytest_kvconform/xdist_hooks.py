@@ -54,6 +54,12 @@ def _is_worker(config: Any) -> bool:
     return hasattr(config, "workerinput")
 
 
+def is_controller(config: Any) -> bool:
+    """This process hands the tests to xdist workers and runs none itself: true from
+    configure on (xdist registers its ``dsession`` on the same options, read here)."""
+    return planned_worker_count(config) > 0 and not _is_worker(config)
+
+
 def _active(config: Any) -> bool:
     """Devices are only assigned for ``--kv-conformance``: other runs keep their GPUs."""
     return bool(_option(config, "kv_conformance", False))

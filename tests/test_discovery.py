@@ -6,6 +6,7 @@ import pytest
 
 from pytest_kvconform import discovery
 from pytest_kvconform.model import BackendUnderTest
+from pytest_kvconform.outcomes import describe_error
 
 
 class B:
@@ -51,5 +52,5 @@ def test_bad_hook_results(bad: object) -> None:
 
 
 def test_describe_error_never_empty() -> None:
-    assert discovery.describe_error(ImportError()) == "ImportError (no message)"
-    assert discovery.describe_error(ValueError("x")) == "ValueError: x"
+    assert describe_error(ImportError()) == "ImportError (no message)"
+    assert describe_error(ValueError("x")) == "ValueError: x"

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from pytest_kvconform import selection_guess, workers
+from pytest_kvconform import selection_guess, workers, xdist_hooks
 
 
 class _Config:
@@ -39,8 +39,8 @@ def test_may_select_adoption(keyword: str, expected: bool) -> None:
 def test_an_xdist_controller_is_told_apart() -> None:
     """It runs no test: it starts no worker, only the fork server its workers share."""
     controller = _Config(keyword="", dist="load", tx=["2*popen"], collectonly=False)
-    assert selection_guess.is_xdist_controller(controller) is True
-    assert selection_guess.is_xdist_controller(_Config(keyword="", dist="no")) is False
+    assert xdist_hooks.is_controller(controller) is True
+    assert xdist_hooks.is_controller(_Config(keyword="", dist="no")) is False
 
 
 class _Handle:
