@@ -26,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pytest_kvconform import budget, memory, run_env
 from pytest_kvconform import clauses as clauses_mod
+from pytest_kvconform.checks.arguments import Sources, arguments
 from pytest_kvconform.checks.common import via_recorded
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.outcomes import (
@@ -299,30 +300,9 @@ def _worker_pool(plan: Sequence[_Run], device: str, gpu_ids: list[str]) -> Itera
 
 
 def _arguments(run: _Run, device: str, kv_workers: Any, memory_fraction: float) -> list[Any]:
-    def workers_for_case() -> Any:
-        assert run.case is not None and kv_workers is not None
-        return kv_workers.for_world_size(run.case.world_size)
-
-    def need_backend() -> Any:
-        from pytest_kvconform.checks.layout import seam_backend
-
-        assert isinstance(run.who, bool)
-        return seam_backend(run.who)
-
-    values: dict[str, Callable[[], Any]] = {
-        "backend": lambda: run.who,
-        "need": lambda: run.who,
-        "need_backend": need_backend,
-        "layout": lambda: run.layout,
-        "case": lambda: run.case,
-        "device": lambda: device,
-        "workers": workers_for_case,
-        "worker": lambda: kv_workers.for_world_size(1),
-        "workers_device": lambda: kv_workers.device,
-        "workers_factory": lambda: workers_for_case,
-        "memory_fraction": lambda: memory_fraction,
-    }
-    return [values[arg]() for arg in run.check.args]
+    return arguments(run.check.args, Sources(who=run.who, layout=run.layout, case=run.case,
+                                             device=device, kv_workers=kv_workers,
+                                             memory_fraction=memory_fraction))
 
 
 def _execute(run: _Run, device: str, kv_workers: Any, memory_fraction: float) -> CheckResult:

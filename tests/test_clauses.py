@@ -16,7 +16,9 @@ import pytest
 
 from pytest_kvconform import clauses, model, report
 from pytest_kvconform.cases import load_cases
+from pytest_kvconform.checks import arguments
 from pytest_kvconform.outcomes import SkipKind
+from pytest_kvconform.suite.test_table import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE_MODULES = ("test_layout", "test_strides", "test_nullblock", "test_adoption")
@@ -142,10 +144,15 @@ def _code_names(fn: types.FunctionType) -> set[str]:
     return names
 
 
-_FIXTURE_OF_ARG = {"backend": "kv_backend", "need": "kv_need", "need_backend": "kv_need",
-                   "layout": "kv_layout", "case": "kv_case", "device": "kv_device",
-                   "workers": "kv_workers", "worker": "kv_workers", "workers_device": "kv_workers",
-                   "workers_factory": "kv_workers", "memory_fraction": "request"}
+
+
+def test_one_argument_mapping_knows_every_parameter_the_table_names() -> None:
+    """The table's parameter names, the suite's fixtures for them and the mapping both
+    front-ends call agree (a new parameter is added in all three or fails here)."""
+    used = {a for _, check in clauses.check_names().values() for a in check.args}
+    assert used <= set(arguments.NAMES) == set(FIXTURE)
+    with pytest.raises(KeyError, match="no check parameter 'nope'"):
+        arguments.argument("nope", arguments.Sources())
 
 
 @pytest.mark.parametrize("name", sorted(clauses.check_names()))
@@ -156,7 +163,7 @@ def test_suite_test_matches_its_row(name: str) -> None:
     function = check.resolve()
     assert function.__name__ in _code_names(fn), f"{name} does not call {check.function}"
     params = set(inspect.signature(fn).parameters) - {"request"}
-    assert params == {_FIXTURE_OF_ARG[a] for a in check.args} - {"request"}
+    assert params == {FIXTURE[a] for a in check.args} - {"request"}
     marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "kv_cases"]
     if row.cases is None:
         assert marks == [] and "case" not in check.args

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import clauses
+from pytest_kvconform.checks.arguments import Sources, arguments
 from pytest_kvconform.suite.runner import run_check
 
 # The hand-written suite modules; a test function defined there is not generated.
@@ -37,27 +38,14 @@ def _hand_written() -> set[str]:
     return names
 
 
-def _argument(arg: str, request: pytest.FixtureRequest, fixtures: dict[str, Any]) -> Any:
-    if arg == "need_backend":
-        from pytest_kvconform.checks.layout import seam_backend
+def _sources(request: pytest.FixtureRequest, fixtures: dict[str, Any]) -> Sources:
+    """The check's arguments' sources, from the test's fixtures."""
+    from pytest_kvconform.plugin import kv_session
 
-        return seam_backend(fixtures["kv_need"])
-    if arg in ("workers", "workers_factory"):
-        kv_workers, case = fixtures["kv_workers"], fixtures["kv_case"]
-
-        def ranks() -> Any:
-            return kv_workers.for_world_size(case.world_size)
-
-        return ranks() if arg == "workers" else ranks
-    if arg == "worker":
-        return fixtures["kv_workers"].for_world_size(1)
-    if arg == "workers_device":
-        return fixtures["kv_workers"].device
-    if arg == "memory_fraction":
-        from pytest_kvconform.plugin import kv_session
-
-        return kv_session(request.config).options.memory_fraction
-    return fixtures[FIXTURE[arg]]
+    who = fixtures["kv_need"] if "kv_need" in fixtures else fixtures.get("kv_backend")
+    return Sources(who=who, layout=fixtures.get("kv_layout"), case=fixtures.get("kv_case"),
+                   device=fixtures.get("kv_device", "cpu"), kv_workers=fixtures.get("kv_workers"),
+                   memory_fraction=kv_session(request.config).options.memory_fraction)
 
 
 def generated_test(row: clauses.Clause, check: clauses.Check) -> Callable[..., None]:
@@ -65,9 +53,7 @@ def generated_test(row: clauses.Clause, check: clauses.Check) -> Callable[..., N
     fixtures = ["request", *dict.fromkeys(FIXTURE[a] for a in check.args if a != "memory_fraction")]
 
     def test(request: pytest.FixtureRequest, **kwargs: Any) -> None:
-        values = {**kwargs, "request": request}
-        run_check(request, check.resolve(),
-                  *(_argument(arg, request, values) for arg in check.args))
+        run_check(request, check.resolve(), *arguments(check.args, _sources(request, kwargs)))
 
     test.__name__ = test.__qualname__ = row.test_name(check)
     test.__doc__ = f"{row.id} {row.title} (generated from the clause table)."
