@@ -30,10 +30,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from pytest_kvconform import budget, memory, run_env
+from pytest_kvconform import budget, run_env
 from pytest_kvconform import clauses as clauses_mod
 from pytest_kvconform.checks.arguments import Sources, arguments
 from pytest_kvconform.checks.common import via_recorded
+from pytest_kvconform.faults import harness_kind
 from pytest_kvconform.model import BackendUnderTest, Case
 from pytest_kvconform.outcomes import (
     ClauseFailure,
@@ -344,10 +345,15 @@ def _execute_check(run: _Run, device: str, kv_workers: Any,
         status, message = "failed", str(failure)
     except HarnessError as exc:
         status, message, error_kind = "error", f"{type(exc).__name__}: {exc}", exc.kind
-    except Exception as exc:  # the harness's own fault, not the backend's: an error
-        status = "error"
-        error_kind = ErrorKind.OOM if memory.is_out_of_memory(exc) else ErrorKind.HARNESS
-        message = f"{run.clause.id}: the check raised {type(exc).__name__}: {exc}"
+    except Exception as exc:  # the one outcome rule, as under pytest (faults.harness_kind)
+        error_kind = harness_kind(exc)
+        if error_kind is None:  # the installed code raised and the check let it through
+            status = "failed"
+            message = (f"{run.clause.id}: {type(exc).__name__}: {exc} (raised by the installed "
+                       "code, not by the harness)")
+        else:  # the harness's own fault, not the backend's: an error
+            status = "error"
+            message = f"{run.clause.id}: the check raised {type(exc).__name__}: {exc}"
     else:
         status, message = "passed", ""
     return CheckResult(

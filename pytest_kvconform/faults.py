@@ -24,12 +24,12 @@ import sysconfig
 from functools import cache
 from pathlib import Path
 
+from pytest_kvconform.memory import is_out_of_memory
 from pytest_kvconform.outcomes import ClauseSkip, ErrorKind, HarnessError
 
 # user_properties key carrying a harness fault's kind from the test to the report.
 ERROR_KIND_PROPERTY = "kv_error_kind"
 PACKAGE_DIR = Path(__file__).resolve().parent
-_OOM_NAMES = ("OutOfMemoryError",)  # torch.cuda.OutOfMemoryError, without importing torch
 
 
 def harness_kind(exc: BaseException) -> ErrorKind | None:
@@ -38,7 +38,7 @@ def harness_kind(exc: BaseException) -> ErrorKind | None:
         return exc.kind
     if not isinstance(exc, Exception) or isinstance(exc, (AssertionError, ClauseSkip)):
         return None  # KeyboardInterrupt, pytest outcomes, failures, skips
-    if isinstance(exc, MemoryError) or type(exc).__name__ in _OOM_NAMES:
+    if is_out_of_memory(exc):
         return ErrorKind.OOM
     if raised_in_plugin(exc):
         return ErrorKind.HARNESS

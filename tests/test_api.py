@@ -56,7 +56,9 @@ def test_an_unimportable_backend_is_a_backend_skip() -> None:
 
 
 @pytest.mark.parametrize(("raised", "status", "kind"), [
-    (RuntimeError("boom"), "error", ErrorKind.HARNESS),
+    # Raised from here, outside the plugin: the installed code's failure, as under pytest
+    # (the harness's own bug is an error: test_both_front_ends_give_a_raising_check_one_status).
+    (RuntimeError("boom"), "failed", None),
     (HarnessError("worker 3 timed out", kind=ErrorKind.TIMEOUT), "error", ErrorKind.TIMEOUT),
     (MemoryError("cannot allocate 10^12 blocks"), "error", ErrorKind.OOM),
     (ClauseSkip("KV-L1", "no CUDA here", SkipKind.HARDWARE), "skipped", None),
@@ -219,3 +221,38 @@ def test_check_backend_from_a_plain_script_without_a_main_guard(tmp_path: Path) 
     assert {status for _, status, _ in rows} == {"passed"}, rows
     assert any(test == "test_kv_a2[FLASH_ATTN-bf16_h8]" for test, _, _ in rows), rows
     assert not [line for line in during if line.startswith("INFO")], during[:20]
+
+
+# --- one outcome rule: a check that raises is judged alike by both front-ends ----------
+
+
+def _backend_bug(backend: BackendUnderTest) -> None:
+    """Raised outside the plugin (this module stands for the installed code)."""
+    raise RuntimeError(f"{backend.name}: the installed code's own bug")
+
+
+def _harness_bug(backend: BackendUnderTest) -> None:
+    """Raised inside the plugin's own code: the harness's bug, not the backend's."""
+    from pytest_kvconform.discovery import import_object
+
+    import_object("")
+
+
+@pytest.mark.parametrize(("bug", "status"), [(_backend_bug, "failed"), (_harness_bug, "error")],
+                         ids=["installed-code", "harness"])
+def test_both_front_ends_give_a_raising_check_one_status(
+        pytester: pytest.Pytester, seed: Seeder, bug: object, status: str) -> None:
+    """The same exception escaping a check is the same status from ``check_backend`` and
+    from the pytest suite (a failure of the installed code; an error of the harness)."""
+    from tests.conftest import KV_ARGS
+    from tests.seeding import backends_conftest
+
+    seed.replace("pytest_kvconform.checks.layout.check_kv_l1", bug)
+    [direct] = api.check_backend(Good, clauses=["KV-L1"])
+    pytester.makeconftest(backends_conftest({"Good": Good}))
+    pytester.runpytest(*KV_ARGS, "-k", "kv_l1", "--kv-backend", "Good", "--kv-report", "r.json")
+    rows = json.loads((pytester.path / "r.json").read_text())["results"]
+    [suite] = [r for r in rows if r["backend"] == "Good"]
+    assert (direct.status, suite["status"]) == (status, status), (direct, suite)
+    if status == "error":
+        assert direct.error_kind == suite["error_kind"] == "harness", (direct, suite)
