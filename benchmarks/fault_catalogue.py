@@ -12,11 +12,12 @@ during start-up, two runs writing one report, a huge case (a usage error in < 5 
 and a hung declaration over the whole suite (< 60 s at --kv-timeout 20, each later
 error citing the first timeout; :data:`CHECKS`).  A leak is any PID of the run (KV-A
 workers by their PID files, every descendant of pytest seen before a kill) still
-alive 5 s after the run ended; a missing report is a run that asked for one and has
-none that loads and validates.  Each run has its own $TMPDIR: the run's directories
-there (``kvconform-*``, ``pymp-*``) are counted when it ended and again after the
-start-up sweep a next run does (``tempdirs.sweep``: what SIGKILL leaves goes then).  Results are
-appended to benchmarks/RESULTS.md (or -o FILE).  No timed assertions.
+alive 5 s after the run ended; peak RSS is the largest high-water mark of any
+of the run's processes (sampled: ``faultkit.PeakRss``); a missing report is a run that
+asked for one and has none that loads and validates.  Each run has its own $TMPDIR: the
+run's directories there (``kvconform-*``, ``pymp-*``) are counted when it ended and again
+after the start-up sweep a next run does (``tempdirs.sweep``: what SIGKILL leaves goes
+then).  Results are appended to benchmarks/RESULTS.md (or -o FILE).  No timed assertions.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def main() -> int:
     args = parser.parse_args()
     names = args.only or list(faultkit.SCENARIOS)
     stats = {n: {"runs": 0, "rc_ok": 0, "missing_reports": 0, "leaked": 0, "seconds": 0.0,
-                 "temp_left": 0, "leaked_dirs": 0, "checks_ok": 0} for n in names}
+                 "temp_left": 0, "leaked_dirs": 0, "checks_ok": 0, "peak_rss": []}
+             for n in names}
     problems: dict[str, list[str]] = {n: [] for n in names}
     started = time.monotonic()
     for rep in range(args.reps):
@@ -113,6 +115,7 @@ def main() -> int:
             s["seconds"] += outcome.seconds
             s["temp_left"] += len(outcome.temp_left)
             s["leaked_dirs"] += len(outcome.leaked_dirs)
+            s["peak_rss"].append(outcome.peak_rss_mib)
             found = CHECKS[name](outcome) if name in CHECKS else []
             s["checks_ok"] += not found
             problems[name] += [f"rep {rep + 1}: {p}" for p in found]
@@ -120,7 +123,8 @@ def main() -> int:
                   f"report {'MISSING' if missing else 'ok'} leaked {sorted(outcome.leaked)} "
                   f"workers {len(outcome.workers)} watched {len(outcome.watched)} "
                   f"temp dirs at exit {outcome.temp_left} after the next start "
-                  f"{outcome.leaked_dirs} {outcome.seconds:.1f}s"
+                  f"{outcome.leaked_dirs} peak RSS {outcome.peak_rss_mib} MiB "
+                  f"{outcome.seconds:.1f}s"
                   + (f" checks {'; '.join(found) or 'ok'}" if name in CHECKS else ""),
                   flush=True)
     total = time.monotonic() - started
@@ -131,14 +135,16 @@ def main() -> int:
         f"`PYTHONPATH=. python benchmarks/fault_catalogue.py --reps {args.reps}"
         + "".join(f" --only {n}" for n in args.only or []) + f"` ({total / 60:.1f} min)", "",
         "| scenario | runs | expected exit status | missing reports | leaked processes "
-        "| temp dirs left at exit | temp dirs left after the next start | mean s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| temp dirs left at exit | temp dirs left after the next start "
+        "| peak RSS MiB per run (min / max) | mean s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in stats.items():
         lines.append(f"| {name} | {s['runs']} | {s['rc_ok']}/{s['runs']} "
                      f"(rc {EXPECTED_RC[name]}) | "
                      f"{s['missing_reports'] if name in WANTS_REPORT else 'n/a (none asked)'} "
                      f"| {s['leaked']} | {s['temp_left']} | {s['leaked_dirs']} "
+                     f"| {min(s['peak_rss'], default=0)} / {max(s['peak_rss'], default=0)} "
                      f"| {s['seconds'] / max(1, s['runs']):.1f} |")
     lines += [f"\n{name}: {CHECKS[name].__doc__} {stats[name]['checks_ok']}/"
               f"{stats[name]['runs']} ok" + "".join(f"; {p}" for p in problems[name])

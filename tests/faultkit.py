@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -76,6 +77,8 @@ class Outcome:
     # those still there after a later run's start-up sweep (``tempdirs.sweep``).
     temp_left: list[str] = field(default_factory=list)
     leaked_dirs: list[str] = field(default_factory=list)
+    # The largest peak RSS (VmHWM) of any of the run's processes, sampled while it ran.
+    peak_rss_mib: int = 0
 
     def results(self) -> dict[str, dict[str, Any]]:
         """Report rows by test name (nodeid without the path)."""
@@ -100,6 +103,40 @@ def alive(pid: int) -> bool:
     """Running or sleeping: a zombie (exited, not yet reaped) holds nothing and counts as gone."""
     stat = _stat(pid)
     return stat is not None and stat[0] not in ("Z", "X")
+
+
+class PeakRss:
+    """The largest peak RSS among a run's processes (pytest and its descendants), sampled
+    every ``interval`` seconds: each process's high-water mark (``VmHWM``) only grows, so
+    a sample after its peak and before its exit catches it."""
+
+    def __init__(self, root: int, interval: float = 0.25) -> None:
+        self.root, self.interval, self.peak_kib = root, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for pid in {self.root} | descendants(self.root):
+                self.peak_kib = max(self.peak_kib, _hwm_kib(pid))
+
+    def stop(self) -> int:
+        """Stop sampling; the peak in MiB."""
+        self._stop.set()
+        self._thread.join()
+        return self.peak_kib // 1024
+
+
+def _hwm_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def descendants(root: int) -> set[int]:
@@ -149,6 +186,7 @@ def kill_leftovers(pids: Iterable[int]) -> None:
 # Each run's private $TMPDIR, by pytest PID (short: under the usual temp directory, so the
 # paths vLLM derives from it stay as short as they would be).
 _tmpdirs: dict[int, Path] = {}
+_peaks: dict[int, PeakRss] = {}
 
 
 def temp_entries(tmpdir: Path) -> list[str]:
@@ -177,6 +215,7 @@ def _start(workdir: Path, args: Sequence[str], extra_env: dict[str, str] | None 
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True, preexec_fn=_interruptible)
     _tmpdirs[proc.pid] = Path(env["TMPDIR"])
+    _peaks[proc.pid] = PeakRss(proc.pid)
     return proc, piddir
 
 
@@ -222,6 +261,8 @@ def _finish(name: str, proc: subprocess.Popen[str], piddir: Path, started: float
         output, _ = proc.communicate()
         output += f"\n[faultkit] run did not finish within {timeout:.0f}s; killed"
     outcome = Outcome(name, piddir.parent, proc.returncode, output, time.monotonic() - started)
+    peak = _peaks.pop(proc.pid, None)
+    outcome.peak_rss_mib = peak.stop() if peak is not None else 0
     outcome.workers = worker_pids(piddir)
     outcome.watched = watched | outcome.workers
     outcome.leaked = wait_gone(outcome.watched)
@@ -454,6 +495,7 @@ def concurrent_writers(workdir: Path) -> Outcome:
     first.workers |= second.workers
     first.watched |= second.watched
     first.temp_left += second.temp_left
+    first.peak_rss_mib = max(first.peak_rss_mib, second.peak_rss_mib)
     first.leaked_dirs += second.leaked_dirs
     first.report_error = first.report_error or second.report_error
     if first.report_error is None:
