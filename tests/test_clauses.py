@@ -18,7 +18,7 @@ from pytest_kvconform import clauses, model, report
 from pytest_kvconform.cases import load_cases
 from pytest_kvconform.checks import arguments
 from pytest_kvconform.outcomes import SkipKind
-from pytest_kvconform.suite.test_table import FIXTURE
+from pytest_kvconform.suite.runner import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE_MODULES = ("test_layout", "test_strides", "test_nullblock", "test_adoption")

@@ -17,6 +17,12 @@ from pytest_kvconform.checks.common import via_recorded
 from pytest_kvconform.checks.errors import ClauseSkip, Unsupported
 from pytest_kvconform.model import SKIP_KIND_PROPERTY, VIA_PROPERTY
 
+# The fixture each check argument comes from.
+FIXTURE = {"backend": "kv_backend", "need": "kv_need", "need_backend": "kv_need",
+           "layout": "kv_layout", "case": "kv_case", "device": "kv_device",
+           "workers": "kv_workers", "worker": "kv_workers", "workers_device": "kv_workers",
+           "workers_factory": "kv_workers", "memory_fraction": "request"}
+
 
 def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args: Any,
               **kwargs: Any) -> None:

@@ -17,15 +17,10 @@ import pytest
 
 from pytest_kvconform import clauses
 from pytest_kvconform.checks.arguments import Sources, arguments
-from pytest_kvconform.suite.runner import run_check
+from pytest_kvconform.suite.runner import FIXTURE, run_check
 
 # The hand-written suite modules; a test function defined there is not generated.
 HAND_WRITTEN = ("test_layout", "test_strides", "test_nullblock", "test_adoption")
-# The fixture each check argument comes from.
-FIXTURE = {"backend": "kv_backend", "need": "kv_need", "need_backend": "kv_need",
-           "layout": "kv_layout", "case": "kv_case", "device": "kv_device",
-           "workers": "kv_workers", "worker": "kv_workers", "workers_device": "kv_workers",
-           "workers_factory": "kv_workers", "memory_fraction": "request"}
 
 
 def _hand_written() -> set[str]:
