@@ -7,6 +7,6 @@ Loaded with ``-p perf_cases_plugin`` (benchmarks/ on ``PYTHONPATH``); never by u
 
 from __future__ import annotations
 
-from pytest_kvconform import clauses
+from pytest_kvconform.contract import clauses
 
 clauses.A_CASES = (*clauses.A_CASES, *(f"perf_{i:02d}" for i in range(40)))

@@ -6,9 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# Version of contract.md (shipped in this package) that the clause ids refer to.  Reports of
-# different contract versions are not merged.
-CONTRACT_VERSION = "2"
+from pytest_kvconform.contract import CONTRACT_VERSION  # the one definition
 
 __all__ = ["CONTRACT_VERSION", "CheckResult", "__version__", "check_backend"]
 

@@ -2,7 +2,7 @@
 
 What ``check_estimator`` is to scikit-learn: the same check functions the
 pytest suite runs, parametrised from the same clause table
-(:mod:`pytest_kvconform.clauses`), returned as :class:`CheckResult` records
+(:mod:`pytest_kvconform.contract.clauses`), returned as :class:`CheckResult` records
 instead of test outcomes.  Nothing here imports pytest; torch, vLLM and
 vllm-omni are imported by the checks when they run.
 
@@ -13,7 +13,7 @@ vllm-omni are imported by the checks when they run.
 
 Scope: every clause by default, KV-A included.  The adoption clauses (KV-A2..A6)
 start worker processes, which need vLLM imported (~20-40 s, overlapped; CPU workers
-fork from one preloaded fork server, ``workers.py``);
+fork from one preloaded fork server, ``workers/pool.py``);
 they are closed before ``check_backend`` returns unless a pytest
 ``--kv-conformance`` session in this process still holds them.  Pass
 ``clauses=`` to run fewer.  The per-need seam variants (``need_False`` /
@@ -30,13 +30,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from pytest_kvconform import budget, run_env
-from pytest_kvconform import clauses as clauses_mod
+from pytest_kvconform.adapters import run_env
 from pytest_kvconform.checks.arguments import Sources, arguments
 from pytest_kvconform.checks.common import via_recorded
-from pytest_kvconform.faults import harness_kind
-from pytest_kvconform.model import BackendUnderTest, Case
-from pytest_kvconform.outcomes import (
+from pytest_kvconform.contract import clauses as clauses_mod
+from pytest_kvconform.contract.outcome_rule import harness_kind
+from pytest_kvconform.contract.outcomes import (
     ClauseFailure,
     ClauseSkip,
     ErrorKind,
@@ -45,6 +44,8 @@ from pytest_kvconform.outcomes import (
     Unsupported,
     describe_error,
 )
+from pytest_kvconform.contract.records import BackendUnderTest, Case
+from pytest_kvconform.workers import budget, protocol
 
 Status = Literal["passed", "failed", "skipped", "error"]
 STATUSES: tuple[Status, ...] = ("passed", "failed", "skipped", "error")
@@ -125,7 +126,7 @@ def check_backend(
     """Run the applicable clauses against ``backend_cls``; one :class:`CheckResult` per run.
 
     ``backend_cls``: the backend's class (a registry member's class is tested
-    under its registry name), a :class:`~pytest_kvconform.model.BackendUnderTest`,
+    under its registry name), a :class:`~pytest_kvconform.contract.records.BackendUnderTest`,
     or a string: a ``DiffusionAttentionBackendEnum`` member name or an import path.
     ``cases``: the spec cases (Case records, or ids of the shipped cases);
     None means every shipped case.  ``clauses``: clause ids (``"KV-L2"``);
@@ -137,7 +138,7 @@ def check_backend(
     Bad input (an unknown clause, case or backend name, a bad device) raises one
     ValueError naming it; a failing check never raises, it is a result.
     """
-    from pytest_kvconform import omni_plugins
+    from pytest_kvconform.adapters import omni_plugins
 
     if plugins not in ("production", "none"):
         raise ValueError(f"check_backend: plugins={plugins!r}; expected 'production' or 'none'")
@@ -165,7 +166,7 @@ def backend_under_test(backend: Any) -> BackendUnderTest:
     """A :class:`BackendUnderTest` for a class, a registry name or an import path."""
     if isinstance(backend, BackendUnderTest):
         return backend
-    from pytest_kvconform import discovery
+    from pytest_kvconform.adapters import discovery
 
     if isinstance(backend, str):
         registry, note = discovery.registry_backends()
@@ -190,7 +191,7 @@ def backend_under_test(backend: Any) -> BackendUnderTest:
 
 def _from_class(cls: type) -> BackendUnderTest:
     """The registry's record when ``cls`` is a registry member's class, else a new one."""
-    from pytest_kvconform import compat, discovery
+    from pytest_kvconform.adapters import compat, discovery
 
     if compat.omni_installed():
         registry, _ = discovery.registry_backends()
@@ -202,7 +203,7 @@ def _from_class(cls: type) -> BackendUnderTest:
 
 
 def _cases(cases: Sequence[Case | str] | None) -> list[Case]:
-    from pytest_kvconform import cases as cases_mod
+    from pytest_kvconform.contract import cases as cases_mod
 
     if cases is not None and not isinstance(cases, str):
         for record in cases:  # held to a case file's limits
@@ -232,7 +233,7 @@ def _cases(cases: Sequence[Case | str] | None) -> list[Case]:
 
 
 def _device(device: str) -> tuple[str, list[str]]:
-    from pytest_kvconform import devices
+    from pytest_kvconform.workers import devices
 
     try:
         request = devices.parse_device_option(device)
@@ -251,7 +252,7 @@ def _device(device: str) -> tuple[str, list[str]]:
 def _plan(selected: Sequence[clauses_mod.Clause], backend: BackendUnderTest,
           cases: Sequence[Case], *, seams: bool) -> Iterator[_Run]:
     """Every (check, parameters) the suite would collect for this one backend."""
-    from pytest_kvconform import compat
+    from pytest_kvconform.adapters import compat
 
     for clause in selected:
         clause_cases = [c for c in cases if clause.cases is None or clause.cases(c)]
@@ -286,7 +287,7 @@ def _worker_pool(plan: Sequence[_Run], device: str, gpu_ids: list[str]) -> Itera
     if not sizes:
         yield None
         return
-    from pytest_kvconform import workers
+    from pytest_kvconform.workers import pool as workers
 
     workers.hold()
     try:
@@ -308,14 +309,14 @@ def _arguments(run: _Run, device: str, kv_workers: Any, memory_fraction: float) 
 
 def _execute(run: _Run, device: str, kv_workers: Any, memory_fraction: float) -> CheckResult:
     """One run as a result; a run whose KV-A workers got a seeded fault says so."""
-    from pytest_kvconform import workers
+    from pytest_kvconform.workers import pool as workers
 
     before = workers.faulted_commands()
     result = _execute_check(run, device, kv_workers, memory_fraction)
     faults = workers.faults_since(before)
     if not faults:
         return result
-    note = (f"(ran under the seeded worker fault {faults[-1]!r}, ${workers.FAULT_ENV}: this "
+    note = (f"(ran under the seeded worker fault {faults[-1]!r}, ${protocol.FAULT_ENV}: this "
             "result speaks for the fault, not the backend)")
     return replace(result, seeded_fault=faults[-1],
                                message=f"{result.message} {note}".strip())

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_kvconform.report import (
+from pytest_kvconform.report.build import (
     SCHEMA,
     ReportError,
     check_mergeable,

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_kvconform import hookspecs
-from pytest_kvconform.options import Options, add_options
+from pytest_kvconform.session.options import Options, add_options
 
 if TYPE_CHECKING:
-    from pytest_kvconform.session import KvSession
+    from pytest_kvconform.session.run import KvSession
 
 SUITE_DIR = Path(__file__).parent / "suite"
 SESSION_PLUGIN = "kvconform-session"
@@ -45,7 +45,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
                 return
         except ValueError:
             return
-    from pytest_kvconform.xdist_hooks import register_xdist_hooks
+    from pytest_kvconform.session.xdist import register_xdist_hooks
 
     register_xdist_hooks(early_config)
 
@@ -62,10 +62,10 @@ def pytest_configure(config: pytest.Config) -> None:
         xfails = _startup_checks(options)  # before anything heavy is imported
         _add_suite(config)
         if hasattr(config, "workerinput"):  # an xdist worker never outlives its controller
-            from pytest_kvconform.workers import exit_with_parent
+            from pytest_kvconform.workers.pool import exit_with_parent
 
             exit_with_parent()
-        from pytest_kvconform.session import KvSession
+        from pytest_kvconform.session.run import KvSession
 
         session = KvSession(config, options, xfails=xfails)
     except KeyboardInterrupt as exc:
@@ -79,7 +79,7 @@ def _terminate_as_interrupt(config: pytest.Config) -> None:
     """SIGTERM ends the run as Ctrl-C does (``lifetime.terminate_as_interrupt``): the
     summary, the verdict and the report, and no process or temporary file left.  Undone
     when the run is (pytester runs sessions inside a longer-lived process)."""
-    from pytest_kvconform import lifetime
+    from pytest_kvconform.workers import lifetime
 
     undo = lifetime.terminate_as_interrupt()
     if undo is not None:
@@ -90,12 +90,12 @@ def _interrupted_before_results(config: pytest.Config, options: Options,
                                 what: str = "KeyboardInterrupt") -> None:
     """Ctrl-C (or SIGTERM) before the run's results plugin was registered (which judges
     any later interrupt): the verdict and the report all the same, with nothing collected."""
-    from pytest_kvconform.session import RESULTS_PLUGIN
+    from pytest_kvconform.session.run import RESULTS_PLUGIN
 
     if config.pluginmanager.get_plugin(RESULTS_PLUGIN) is not None:
         return
-    from pytest_kvconform.session_results import KvResults
-    from pytest_kvconform.session_selection import KvSelection
+    from pytest_kvconform.session.results import KvResults
+    from pytest_kvconform.session.selection import KvSelection
 
     results = KvResults(config, options, KvSelection(config, options, "cpu", []))
     results.interruption = f"{what} during start-up, before any test was collected"
@@ -105,20 +105,20 @@ def _interrupted_before_results(config: pytest.Config, options: Options,
 def _speculate_workers(config: pytest.Config, options: Options, session: KvSession) -> None:
     """Start the KV-A workers now if KV-A tests may be selected, overlapping discovery.
 
-    For CPU workers, their fork server (``forkserver.py``; the workers fork from it
+    For CPU workers, their fork server (``workers/forkserver.py``; the workers fork from it
     after collection).  The ~20 s import then overlaps this process's own import and
     discovery on a second core; :func:`pytest_collection_finish` drops them (or stops
     the server) if no selected test needs them.  An xdist controller runs no test: on
     a CPU host it starts only the server, which its workers share (``forkserver.share``).
     Nothing for ``--collect-only``.
     """
-    from pytest_kvconform import selection_guess
+    from pytest_kvconform.session import selection_guess
 
     if (config.option.collectonly or getattr(config.option, "help", False)
             or not selection_guess.may_select_adoption(config)):
         return
-    from pytest_kvconform import workers
-    from pytest_kvconform.xdist_hooks import is_controller
+    from pytest_kvconform.session.xdist import is_controller
+    from pytest_kvconform.workers import pool as workers
 
     if is_controller(config):
         if session.device == "cpu":  # so are its workers' KV-A workers: one server for all
@@ -133,7 +133,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     plugin = session.config.pluginmanager.get_plugin(SESSION_PLUGIN)
     if plugin is None:
         return
-    from pytest_kvconform.workers import KvWorkers
+    from pytest_kvconform.workers.pool import KvWorkers
 
     params = [getattr(getattr(item, "callspec", None), "params", {}) for item in session.items
               if "kv_workers" in getattr(item, "fixturenames", ())]
@@ -144,7 +144,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def _startup_checks(options: Options) -> list[Any]:
     """Output paths, the case files and the xfails file, checked before discovery imports
     vLLM: a bad or oversized case is refused within a second, before any worker starts."""
-    from pytest_kvconform import cases, startup
+    from pytest_kvconform.contract import cases
+    from pytest_kvconform.session import startup
 
     if options.report is not None:
         try:
@@ -208,7 +209,7 @@ def kv_control_plane(request: pytest.FixtureRequest, kv_device: str) -> Any:
 @pytest.fixture(scope="session")
 def kv_workers(request: pytest.FixtureRequest, kv_device: str) -> Any:
     """Factory of pooled worker processes (see ``workers.KvWorkers``)."""
-    from pytest_kvconform.workers import KvWorkers
+    from pytest_kvconform.workers.pool import KvWorkers
 
     return KvWorkers(kv_device, list(kv_session(request.config).gpu_ids))
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvconform import devices, run_env
+from pytest_kvconform.adapters import run_env
+from pytest_kvconform.workers import devices
 from tests.seeding import Seeder
 
 # This process hosts inline --kv-conformance runs, so it selects the platforms such a run
@@ -82,7 +83,7 @@ def import_what_runs_import() -> None:
                 pass
         from vllm.plugins import load_general_plugins
 
-        from pytest_kvconform import discovery
+        from pytest_kvconform.adapters import discovery
 
         discovery.registry_backends()  # imports each member's class (and what it imports)
         load_general_plugins()  # vllm-omni's model registrations, once per process

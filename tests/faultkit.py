@@ -1,4 +1,4 @@
-"""Process-level fault scenarios, shared by tests/test_faults_process.py and
+"""Process-level fault scenarios, shared by tests/test_seeded_process.py and
 benchmarks/fault_catalogue.py.
 
 Each scenario runs ``pytest --kv-conformance`` in a fresh process (its own
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pytest_kvconform import report as report_mod
-from pytest_kvconform import tempdirs
-from pytest_kvconform.workers import PIDDIR_ENV
+from pytest_kvconform.report import build as report_mod
+from pytest_kvconform.workers import tempdirs
+from pytest_kvconform.workers.protocol import PIDDIR_ENV
 from tests.seeding import backends_conftest
 from tests.standin_backends import Blocking, Good
 

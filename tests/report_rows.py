@@ -8,7 +8,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pytest_kvconform import report as rp
+from pytest_kvconform.report import build as rp
 
 ENVIRONMENT: dict[str, Any] = {
     "python": "3.11.7", "torch": "2.13.0", "vllm": "0.30.0", "vllm_omni": "0.30.0",

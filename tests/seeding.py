@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform import workers
-from pytest_kvconform.model import clause_from_test_name
+from pytest_kvconform.contract.clauses import clause_from_test_name
+from pytest_kvconform.workers import protocol
 
 
 def _owner(target: str) -> tuple[Any, str]:
@@ -58,7 +58,7 @@ class Seeder:
 
     def worker_fault(self, fault: str) -> None:
         """Seed a fault in the KV-A workers (``hang``, ``die``, ``oom``, ...)."""
-        self._monkeypatch.setenv(workers.FAULT_ENV, fault)
+        self._monkeypatch.setenv(protocol.FAULT_ENV, fault)
 
 
 def backends_conftest(backends: Mapping[str, type | str]) -> str:

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 import pytest_kvconform
-from pytest_kvconform import api, workers
-from pytest_kvconform.model import BackendUnderTest, Case
-from pytest_kvconform.outcomes import ClauseSkip, ErrorKind, HarnessError, SkipKind
+from pytest_kvconform import api
+from pytest_kvconform.contract.outcomes import ClauseSkip, ErrorKind, HarnessError, SkipKind
+from pytest_kvconform.contract.records import BackendUnderTest, Case
+from pytest_kvconform.workers import pool as workers
 from tests.conftest import needs_omni
 from tests.seeding import Seeder
 from tests.standin_backends import Good, IntFlag
@@ -114,7 +115,7 @@ def _collected() -> list[str]:
 @needs_omni
 def test_the_plan_is_the_suites_collection_for_one_backend() -> None:
     """Parametrised from the clause table, check_backend runs what the suite collects."""
-    from pytest_kvconform import cases, clauses
+    from pytest_kvconform.contract import cases, clauses
 
     backend = api.backend_under_test("TORCH_SDPA")
     plan = api._plan(clauses.select(None), backend, cases.load_cases(), seams=True)
@@ -233,7 +234,7 @@ def _backend_bug(backend: BackendUnderTest) -> None:
 
 def _harness_bug(backend: BackendUnderTest) -> None:
     """Raised inside the plugin's own code: the harness's bug, not the backend's."""
-    from pytest_kvconform.discovery import import_object
+    from pytest_kvconform.adapters.discovery import import_object
 
     import_object("")
 

@@ -150,7 +150,7 @@ def test_packaged_data_comes_from_the_wheel(backend_repo: tuple[Path, Path]) -> 
     python, repo = backend_repo
     probe = _run([str(python), "-c", textwrap.dedent('''
         import pathlib, pytest_kvconform, conformance_cases
-        from pytest_kvconform import cases
+        from pytest_kvconform.contract import cases
         pkg = pathlib.Path(pytest_kvconform.__file__).parent
         print(pkg)
         print(pathlib.Path(conformance_cases.__file__).parent)

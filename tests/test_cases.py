@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvconform import cases
+from pytest_kvconform.contract import cases
 
 
 def test_builtin_cases_load_with_unique_ids() -> None:
@@ -68,9 +68,9 @@ def test_helpers_without_callers_are_gone() -> None:
 
 def test_dtype_sizes_are_one_table() -> None:
     """The case files' dtypes are sized by the oracle's table, not by a copy."""
-    from pytest_kvconform import model, oracle
+    from pytest_kvconform.contract import oracle, records
 
-    assert oracle.DTYPE_SIZES is model.DTYPE_SIZES
+    assert oracle.DTYPE_SIZES is records.DTYPE_SIZES
     assert all(cases.DTYPE_SIZES[d] == oracle.dtype_size(d) for d in cases.CASE_DTYPES)
 
 
@@ -161,7 +161,7 @@ def test_the_kv_cache_is_bounded_by_this_hosts_memory(tmp_path: Path,
 
 
 def test_the_kv_bytes_limit_is_what_the_oracle_tabulates() -> None:
-    from pytest_kvconform import oracle
+    from pytest_kvconform.contract import oracle
 
     assert cases.MAX_KV_BYTES == oracle.MAX_TABLE_CELLS
 
@@ -186,7 +186,7 @@ def test_too_many_cases_in_one_run(tmp_path: Path) -> None:
 
 
 def test_a_case_record_made_in_code_is_held_to_the_same_limits() -> None:
-    from pytest_kvconform.model import Case
+    from pytest_kvconform.contract.records import Case
 
     with pytest.raises(cases.CaseFileError, match="key 'world_size': 9 exceeds the limit 8"):
         cases.validate_case(Case(id="mine", file="code", world_size=9))

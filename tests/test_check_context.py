@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pytest_kvconform.checks.common import Problems, Where
-from pytest_kvconform.model import Case
-from pytest_kvconform.outcomes import ClauseFailure, ErrorKind, HarnessError, SkipKind
+from pytest_kvconform.contract.outcomes import ClauseFailure, ErrorKind, HarnessError, SkipKind
+from pytest_kvconform.contract.records import Case
 
 
 def test_a_failure_names_the_clause_and_parametrisation() -> None:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import CONTRACT_VERSION
-from pytest_kvconform import report as rp
 from pytest_kvconform.cli import main
+from pytest_kvconform.report import build as rp
 from tests.report_rows import backend_record, build, environment, row
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvconform.model import installed_version
+from pytest_kvconform.contract.records import installed_version
 
 ROOT = Path(__file__).resolve().parents[1]
 STORED = ROOT / "tests" / "data" / "collected_ids.txt"

@@ -1,6 +1,6 @@
 """Where production's engine runs for KV-A, and the seams the harness adds to it.
 
-The deployments themselves run in ``tests/test_faults_adoption.py`` (inline suite runs);
+The deployments themselves run in ``tests/test_seeded_adoption.py`` (inline suite runs);
 here: the multiproc RPC envelope the test-process executor sends, the entry point a
 result names, and that every seeded regression still finds the production statement it
 rewrites in the installed vllm-omni (a regression that silently changed nothing would
@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform import deployment, engine, executor_wire, fault_seeds
+from pytest_kvconform.adapters import engine, executor_wire, seeds
+from pytest_kvconform.workers import deployment
 from tests.conftest import needs_omni
 
 pytestmark = needs_omni
@@ -36,7 +37,7 @@ class _Rank:
 
 
 def _executor(ranks: list[_Rank]) -> Any:
-    from pytest_kvconform.compat import production_od_config
+    from pytest_kvconform.adapters.compat import production_od_config
 
     return deployment._pipe_executor_class()(production_od_config(world_size=len(ranks)),
                                              ranks)
@@ -74,16 +75,16 @@ def test_a_result_names_the_entry_point_that_ran() -> None:
     assert "nothing" in engine.EntryPoint("", why_not_runner="no platform").chain(engine.UNI)
 
 
-@pytest.mark.parametrize("fault", sorted(set(fault_seeds.REGRESSIONS) - {"shared_cache_config"}))
+@pytest.mark.parametrize("fault", sorted(set(seeds.REGRESSIONS) - {"shared_cache_config"}))
 def test_each_regression_rewrites_a_statement_of_the_installed_production_code(
         fault: str) -> None:
-    reason = fault_seeds.applicable(fault)
+    reason = seeds.applicable(fault)
     if reason is not None:
         pytest.skip(f"{fault}: {reason}")
-    regression = fault_seeds.REGRESSIONS[fault]
-    owner, name = fault_seeds._owner(regression.target)
+    regression = seeds.REGRESSIONS[fault]
+    owner, name = seeds._owner(regression.target)
     original = vars(owner)[name]
-    with fault_seeds.regression(fault):
+    with seeds.regression(fault):
         rewritten = vars(owner)[name]
         assert rewritten is not original
         assert rewritten.__qualname__ == original.__qualname__
@@ -95,14 +96,14 @@ def test_a_regression_whose_statement_is_gone_says_so() -> None:
     def initialize_kv_cache(self: Any) -> None:
         return None
 
-    with pytest.raises(fault_seeds.SeedError, match="no longer has the statement"):
-        fault_seeds._rewritten(initialize_kv_cache, {"skip_adoption"}, "X.initialize_kv_cache")
+    with pytest.raises(seeds.SeedError, match="no longer has the statement"):
+        seeds._rewritten(initialize_kv_cache, {"skip_adoption"}, "X.initialize_kv_cache")
 
 
 def test_an_unknown_fault_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(fault_seeds.ENV, "skip_adoption,skip_adoptoin")
+    monkeypatch.setenv(seeds.ENV, "skip_adoption,skip_adoptoin")
     with pytest.raises(ValueError, match="'skip_adoption,skip_adoptoin' is not a known"):
-        fault_seeds.active()
-    monkeypatch.setenv(fault_seeds.ENV, "assert_layer_backends, skip_layer_assertion")
-    assert fault_seeds.names(fault_seeds.active()) == ("assert_layer_backends",
+        seeds.active()
+    monkeypatch.setenv(seeds.ENV, "assert_layer_backends, skip_layer_assertion")
+    assert seeds.names(seeds.active()) == ("assert_layer_backends",
                                                         "skip_layer_assertion")

@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.devices import (
+from pytest_kvconform.session.xdist import (
+    PLUGIN_NAME,
+    KvXdistHooks,
+    planned_worker_count,
+    register_xdist_hooks,
+)
+from pytest_kvconform.workers.devices import (
     WORKERINPUT_DEVICE,
     WORKERINPUT_GPU_IDS,
     DeviceError,
@@ -27,12 +33,6 @@ from pytest_kvconform.devices import (
     parse_device_option,
     torch_device_for,
     visible_gpu_ids,
-)
-from pytest_kvconform.xdist_hooks import (
-    PLUGIN_NAME,
-    KvXdistHooks,
-    planned_worker_count,
-    register_xdist_hooks,
 )
 
 AUTO = DeviceRequest("auto")
@@ -455,8 +455,8 @@ def test_register_xdist_hooks_only_with_xdist_and_once() -> None:
 
 _PLUGIN = """
 import json, os
-from pytest_kvconform.devices import apply_worker_device
-from pytest_kvconform.xdist_hooks import register_xdist_hooks
+from pytest_kvconform.workers.devices import apply_worker_device
+from pytest_kvconform.session.xdist import register_xdist_hooks
 
 def pytest_addoption(parser):
     parser.addoption("--kv-conformance", action="store_true", dest="kv_conformance")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvconform import discovery
-from pytest_kvconform.model import BackendUnderTest
-from pytest_kvconform.outcomes import describe_error
+from pytest_kvconform.adapters import discovery
+from pytest_kvconform.contract.outcomes import describe_error
+from pytest_kvconform.contract.records import BackendUnderTest
 
 
 class B:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvconform import forkserver
+from pytest_kvconform.workers import forkserver
 
 pytestmark = pytest.mark.skipif(not forkserver.usable(), reason="needs Linux forkserver")
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The "controller": starts a server that preloads nothing, prints share(), waits for EOF.
 OWNER = textwrap.dedent('''
     import json, sys
-    from pytest_kvconform import forkserver
+    from pytest_kvconform.workers import forkserver
     assert forkserver.start([]) and forkserver.wait_ready(60)
     print(json.dumps(forkserver.share()), flush=True)
     sys.stdin.read()
@@ -30,7 +30,7 @@ OWNER = textwrap.dedent('''
 # The "xdist worker": attaches, forks one process through the server, reports its parents.
 CLIENT = textwrap.dedent('''
     import json, multiprocessing, os, sys
-    from pytest_kvconform import forkserver
+    from pytest_kvconform.workers import forkserver
     import probe
 
     shared = json.loads(sys.argv[1])

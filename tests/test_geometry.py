@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from pytest_kvconform import cases, oracle
 from pytest_kvconform.checks.geometry import geometry_for, page_stride
+from pytest_kvconform.contract import cases, oracle
 
 CASES = {c.id: c for c in cases.load_cases()}
 

@@ -1,9 +1,9 @@
 """Imports flow downwards: every module sits in a declared layer and imports only its own
 layer or those below, and no import cycle closes inside a layer.
 
-The layers are read from the modules' own ``import`` statements (``ast``), lazy
-imports inside functions included; imports under ``if TYPE_CHECKING:`` never run
-and do not count.
+The layers are the package's subpackages.  They are read from the modules' own
+``import`` statements (``ast``), lazy imports inside functions and imports under
+``if TYPE_CHECKING:`` included: a type is a dependency too.
 """
 
 from __future__ import annotations
@@ -15,22 +15,16 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pytest_kvconform"
 
-# Bottom first.  A module may import modules of its own layer or of a layer below.
+# Bottom first: one subpackage per layer, the entry points on top.  A module may import
+# modules of its own layer or of a layer below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("outcomes", ("pytest_kvconform", "outcomes", "model", "clauses", "cases", "budget",
-                  "forkserver", "forkserver_guard", "forkserver_ready",
-                  "faults", "options", "hookspecs", "lifetime", "memory", "tempdirs", "devices",
-                  "standins",
-                  "run_env",
-                  "checks.errors")),
-    ("oracle", ("oracle",)),
-    ("adapters", ("compat", "executor_wire", "control_plane", "paged_drivers", "discovery",
-                  "omni_plugins", "omni_cpu_platform", "tiny_pipeline", "seam_backends",
-                  "fault_seeds", "worker_extension", "engine", "workers", "deployment")),
+    ("contract", ("contract", "contract.*")),
+    ("adapters", ("adapters", "adapters.*")),
+    ("workers", ("workers", "workers.*")),
     ("checks", ("checks", "checks.*")),
-    ("front", ("api", "report", "report_*", "xfails", "startup", "session", "session_*",
-               "selection_guess",
-               "xdist_hooks", "plugin", "cli", "suite", "suite.*")),
+    ("report", ("report", "report.*")),
+    ("session", ("session", "session.*")),
+    ("top", ("pytest_kvconform", "plugin", "hookspecs", "api", "cli", "suite", "suite.*")),
 )
 
 
@@ -60,10 +54,6 @@ def imports_of(source: str, modules: set[str]) -> set[str]:
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.update(_short(a.name) for a in node.names
                          if a.name.split(".")[0] == "pytest_kvconform")
@@ -125,26 +115,32 @@ def test_no_import_runs_back_up() -> None:
     assert violations(package_modules()) == []
 
 
-def test_seeded_upward_import_is_reported() -> None:
+@pytest.mark.parametrize("seed", [
+    "\n\ndef _late():\n    from pytest_kvconform.checks import layout\n",
+    "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+    "    from pytest_kvconform.checks import layout\n",
+], ids=["lazy", "type-checking"])
+def test_seeded_upward_import_is_reported(seed: str) -> None:
     sources = package_modules()
-    sources["compat"] += "\n\ndef _late():\n    from pytest_kvconform.checks import layout\n"
+    sources["adapters.compat"] += seed
     problems = violations(sources)
-    assert problems[0] == "compat (adapters) imports checks.layout (checks), a layer above it"
+    assert problems[0] == ("adapters.compat (adapters) imports checks.layout (checks), "
+                           "a layer above it")
     assert all("compat" in p for p in problems)  # and the cycle it closes, nothing else
 
 
 def test_seeded_cycle_in_a_layer_is_reported() -> None:
     sources = package_modules()
-    sources["compat"] += "\nfrom pytest_kvconform import control_plane\n"
+    sources["adapters.compat"] += "\nfrom pytest_kvconform.adapters import control_plane\n"
     (problem,) = violations(sources)
     assert problem.startswith("import cycle: ") and "compat" in problem \
         and "control_plane" in problem
 
 
-def test_type_checking_imports_do_not_count() -> None:
+def test_type_checking_imports_count() -> None:
     text = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n" \
-           "    from pytest_kvconform.session import KvSession\n"
-    assert imports_of(text, {"session"}) == set()
+           "    from pytest_kvconform.session.run import KvSession\n"
+    assert imports_of(text, {"session", "session.run"}) == {"session.run"}
 
 
 def test_undeclared_module_is_refused() -> None:

@@ -92,7 +92,7 @@ class OotPlatformAttention(SDPABackend):
 '''
 # Its own module: a platform is resolved while backend modules import (they ask for it).
 PLATFORM = '''
-from pytest_kvconform.omni_cpu_platform import CpuOmniPlatform
+from pytest_kvconform.adapters.omni_cpu_platform import CpuOmniPlatform
 
 
 class OotPlatform(CpuOmniPlatform):  # an out-of-tree CPU platform (production's worker runs)
@@ -234,7 +234,7 @@ def test_load_group_records_sources_and_failures(pytester: pytest.Pytester,
     from vllm_omni.diffusion.attention.backends.registry import DiffusionAttentionBackendEnum
     from vllm_omni.plugins import load_omni_plugins_by_group
 
-    from pytest_kvconform import omni_plugins
+    from pytest_kvconform.adapters import omni_plugins
 
     group = "kvconform_test.general_plugins"
     site = install_plugin(pytester.path / "site", ENTRY_POINTS.replace(
@@ -271,7 +271,7 @@ def test_a_hook_that_raises_leaves_no_half_done_override(pytester: pytest.Pytest
     from vllm_omni.diffusion.attention.backends.registry import DiffusionAttentionBackendEnum
     from vllm_omni.plugins import load_omni_plugins_by_group
 
-    from pytest_kvconform import omni_plugins
+    from pytest_kvconform.adapters import omni_plugins
 
     group = "kvconform_test.half_plugins"
     site = install_plugin(pytester.path / "site", f"[{group}]\n"
@@ -331,10 +331,10 @@ def test_a_strict_run_with_a_raising_hook_is_not_qualified_by_name(
 
 def test_worker_disagreement_is_a_clause_failure() -> None:
     """KV-A's class check names both paths, from the layers production's worker built."""
+    from pytest_kvconform.adapters.engine import EngineReport
     from pytest_kvconform.checks import adoption
     from pytest_kvconform.checks.errors import ClauseFailure
-    from pytest_kvconform.engine import EngineReport
-    from pytest_kvconform.model import Case
+    from pytest_kvconform.contract.records import Case
 
     run = adoption.Run("KV-A2", "SAGE_ATTN", Case(id="c", file="f"), need=False,
                        name="SAGE_ATTN", path="oot.Cls")
@@ -351,9 +351,9 @@ def test_worker_disagreement_is_a_clause_failure() -> None:
 
 def test_report_carries_origins_and_plugin_outcomes() -> None:
     """Origin per backend and the plugin outcomes validate and show in the Markdown."""
-    from pytest_kvconform import report as rp
-    from pytest_kvconform.model import BackendUnderTest
-    from pytest_kvconform.omni_plugins import PluginLoad, PluginRecord
+    from pytest_kvconform.adapters.omni_plugins import PluginLoad, PluginRecord
+    from pytest_kvconform.contract.records import BackendUnderTest
+    from pytest_kvconform.report import build as rp
 
     load = PluginLoad(plugins=[
         PluginRecord("vllm_omni.general_plugins", "good", "m:f", "pkg 1", "loaded",

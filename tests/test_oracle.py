@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_kvconform.oracle import (
+from pytest_kvconform.contract.oracle import (
     PHYSICAL_LAYOUTS,
     Duplicate,
     Geometry,

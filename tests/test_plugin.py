@@ -28,8 +28,9 @@ def test_off_means_free(pytester: pytest.Pytester) -> None:
             heavy = [m for m in ("torch", "vllm", "vllm_omni") if m in sys.modules]
             assert heavy == []
             ours = {m for m in sys.modules if m.startswith("pytest_kvconform")}
-            assert ours <= {"pytest_kvconform", "pytest_kvconform.plugin",
-                            "pytest_kvconform.options", "pytest_kvconform.hookspecs"}, ours
+            assert ours <= {"pytest_kvconform", "pytest_kvconform.contract",
+                            "pytest_kvconform.plugin", "pytest_kvconform.session",
+                            "pytest_kvconform.session.options", "pytest_kvconform.hookspecs"}, ours
     ''')
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
@@ -38,7 +39,8 @@ def test_off_means_free(pytester: pytest.Pytester) -> None:
 
 def test_the_timeout_default_is_one_number() -> None:
     """options keeps its own copy so that a run without --kv-conformance imports no budget."""
-    from pytest_kvconform import budget, options
+    from pytest_kvconform.session import options
+    from pytest_kvconform.workers import budget
 
     assert options.DEFAULT_TIMEOUT_S == budget.DEFAULT_TIMEOUT_S
 

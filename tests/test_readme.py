@@ -81,14 +81,22 @@ def test_the_contract_ships_with_its_version_and_every_clause() -> None:
 
 
 def test_the_code_layout_names_every_module() -> None:
-    """README's "Layout of the code" is where a new contributor starts: no module missing."""
+    """README's "Layout of the code" is where a new contributor starts: every module named
+    by its path, every subpackage a layer of ``tests/test_layering.py``."""
+    from tests.test_layering import LAYERS
+
     section = README.split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
-    named = set(re.findall(r"`([a-z_]+)(?:\*)?\.py`|`([a-z_]+)/`", section))
-    names = {a or b for a, b in named}
-    prefixes = {a for a, _ in named if f"`{a}*.py`" in section}
     package = REPO / "pytest_kvconform"
-    modules = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
-    modules |= {p.name for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    missing = sorted(m for m in modules
-                     if m not in names and not any(m.startswith(p) for p in prefixes))
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        if path.stem == "__init__":
+            continue
+        folder = rel.rpartition("/")[0]
+        if f"`{rel}`" not in section and f"`{folder}/*.py`" not in section:
+            missing.append(rel)
+    layers = {m.rstrip(".*") for _, members in LAYERS for m in members if m.endswith(".*")}
+    missing += [f"{d.name}/ (a layer)" for d in package.iterdir()
+                if (d / "__init__.py").exists() and d.name in layers
+                and f"`{d.name}/`" not in section]
     assert not missing, f"README's 'Layout of the code' does not name: {', '.join(missing)}"

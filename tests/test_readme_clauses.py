@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pytest_kvconform import clauses
+from pytest_kvconform.contract import clauses
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import CONTRACT_VERSION
-from pytest_kvconform import devices as dev
-from pytest_kvconform import report as rp
-from pytest_kvconform.model import BackendUnderTest
+from pytest_kvconform.contract.records import BackendUnderTest
+from pytest_kvconform.report import build as rp
+from pytest_kvconform.workers import devices as dev
 from tests import report_rows
 from tests.report_rows import environment, row
 
@@ -406,7 +406,7 @@ def test_environment_info_falls_back_when_nvidia_smi_hangs(
 def test_environment_info_imports_neither_torch_nor_vllm() -> None:
     code = (
         "import sys\n"
-        "from pytest_kvconform.report import environment_info\n"
+        "from pytest_kvconform.report.build import environment_info\n"
         "env = environment_info({}, None)\n"
         "heavy = [m for m in ('torch', 'vllm', 'vllm_omni') if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform import report
+from pytest_kvconform.report import build as report
 from tests.seeding import register_backends
 from tests.standin_backends import GOOD_AND_INT_FLAG, Good
 

@@ -1,7 +1,7 @@
 """Two runs writing one ``--kv-report`` path leave a JSON and a Markdown of one run.
 
 Each writer is its own process (as two pytest runs are); a reader checks the pair the
-whole time, as ``kvconform validate`` does (:func:`~pytest_kvconform.report.check_pair`).
+whole time, as ``kvconform validate`` does (:func:`~pytest_kvconform.report.build.check_pair`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform import report as rp
 from pytest_kvconform.cli import main
+from pytest_kvconform.report import build as rp
 from tests.report_rows import build, row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ WRITES = 150
 WRITER = """
 import sys, time
 from pathlib import Path
-from pytest_kvconform import report as rp
+from pytest_kvconform.report import build as rp
 from tests.report_rows import build, row
 
 path, tag, writes, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])

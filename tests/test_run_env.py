@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pytest_kvconform import run_env
+from pytest_kvconform.adapters import run_env
 from tests.conftest import needs_omni
 
 HUMMING = "HUMMING_DISABLE_PARALLEL_BUILD"
@@ -153,7 +153,7 @@ def test_import_log_lines_summarise_and_verbose_shows_each_message() -> None:
 
 CAPTURE = r'''
 import logging, os, sys
-from pytest_kvconform import run_env
+from pytest_kvconform.adapters import run_env
 
 print("before", flush=True)
 with run_env.captured_output() as found:
@@ -170,7 +170,7 @@ print("found", sorted(m["text"] for m in found), flush=True)
 
 
 FAILING_CAPTURE = r'''
-from pytest_kvconform import run_env
+from pytest_kvconform.adapters import run_env
 
 try:
     with run_env.captured_output():

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SIGNAL_TESTS = ROOT / "tests" / "test_faults_process.py"
+SIGNAL_TESTS = ROOT / "tests" / "test_seeded_process.py"
 
 
 def _sigint_ignored_and_blocked() -> None:
@@ -58,7 +58,7 @@ def test_signal_tests_pass_with_sigint_inherited_ignored() -> None:
 # where SIGTERM had its default, and nothing changed where someone else chose otherwise.
 SIGTERM_PROBE = '''
 import os, signal, sys
-from pytest_kvconform import lifetime
+from pytest_kvconform.workers import lifetime
 
 def now():
     return signal.Handlers(signal.getsignal(signal.SIGTERM)).name

@@ -6,7 +6,9 @@ import types
 
 import pytest
 
-from pytest_kvconform import selection_guess, workers, xdist_hooks
+from pytest_kvconform.session import selection_guess
+from pytest_kvconform.session import xdist as xdist_hooks
+from pytest_kvconform.workers import pool as workers
 
 
 class _Config:

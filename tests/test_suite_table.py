@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from pytest_kvconform import clauses
-from pytest_kvconform.model import BackendUnderTest, Case
-from pytest_kvconform.outcomes import ClauseFailure
+from pytest_kvconform.contract import clauses
+from pytest_kvconform.contract.outcomes import ClauseFailure
+from pytest_kvconform.contract.records import BackendUnderTest, Case
 from tests.conftest import needs_omni
 
 # The suite modules are imported outside --kv-conformance, where kv_cases is not registered.

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from pytest_kvconform import compat, control_plane
+from pytest_kvconform.adapters import compat, control_plane
 from pytest_kvconform.checks import adoption, nullblock
 from pytest_kvconform.checks.common import Where, unsupported_as_skip
-from pytest_kvconform.model import Case
-from pytest_kvconform.outcomes import ClauseFailure, ClauseSkip, SkipKind, Unsupported
+from pytest_kvconform.contract.outcomes import ClauseFailure, ClauseSkip, SkipKind, Unsupported
+from pytest_kvconform.contract.records import Case
 
 CASE = Case(id="padded", file="f", page_size_padded=4096)
 

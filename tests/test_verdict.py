@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform import faults, session_results, startup, xfails
-from pytest_kvconform import report as rp
 from pytest_kvconform.cli import main
-from pytest_kvconform.outcomes import ErrorKind, HarnessError
+from pytest_kvconform.contract import outcome_rule
+from pytest_kvconform.contract.outcomes import ErrorKind, HarnessError
+from pytest_kvconform.report import build as rp
+from pytest_kvconform.session import results as session_results
+from pytest_kvconform.session import startup, xfails
 from tests.conftest import KV_ARGS, needs_omni
 from tests.report_rows import ENVIRONMENT, backend_record, build, row
 from tests.seeding import Seeder, backends_conftest
@@ -295,18 +297,19 @@ def test_harness_kind_classifies_what_escapes_a_check() -> None:
             return exc
         raise AssertionError("did not raise")
 
-    assert faults.harness_kind(HarnessError("x", kind=ErrorKind.TIMEOUT)) is ErrorKind.TIMEOUT
-    assert faults.harness_kind(HarnessError("x")) is ErrorKind.HARNESS
-    assert faults.harness_kind(MemoryError()) is ErrorKind.OOM
-    assert faults.harness_kind(type("OutOfMemoryError", (RuntimeError,), {})()) is ErrorKind.OOM
-    assert faults.harness_kind(AssertionError("clause")) is None
-    assert faults.harness_kind(KeyboardInterrupt()) is None
+    assert outcome_rule.harness_kind(HarnessError("x", kind=ErrorKind.TIMEOUT)) is ErrorKind.TIMEOUT
+    assert outcome_rule.harness_kind(HarnessError("x")) is ErrorKind.HARNESS
+    assert outcome_rule.harness_kind(MemoryError()) is ErrorKind.OOM
+    torch_oom = type("OutOfMemoryError", (RuntimeError,), {})()
+    assert outcome_rule.harness_kind(torch_oom) is ErrorKind.OOM
+    assert outcome_rule.harness_kind(AssertionError("clause")) is None
+    assert outcome_rule.harness_kind(KeyboardInterrupt()) is None
     # Installed code raising through a check stays a clause outcome...
-    assert faults.harness_kind(caught(_raise_value_error)) is None
+    assert outcome_rule.harness_kind(caught(_raise_value_error)) is None
     # ...the plugin's own code raising is a harness fault.
     plugin_bug = caught(lambda: rp.clause_sort_key(None))  # type: ignore[arg-type]
-    assert faults.raised_in_plugin(plugin_bug)
-    assert faults.harness_kind(plugin_bug) is ErrorKind.HARNESS
+    assert outcome_rule.raised_in_plugin(plugin_bug)
+    assert outcome_rule.harness_kind(plugin_bug) is ErrorKind.HARNESS
 
 
 @pytest.mark.parametrize(("value", "absorbs"), [
@@ -321,8 +324,8 @@ def test_xfail_entries_absorb_errors_only_when_they_say_so(tmp_path: Path, value
     f.write_text(f'[[xfail]]\nbackend = "A"\nclause = "KV-A3"\nreason = "r"\nerrors = {value}\n'
                  '[[xfail]]\nbackend = "A"\nclause = "KV-A3"\nreason = "plain"\n')
     with_key, plain = xfails.load_xfails(f)
-    assert {k for k in faults.ErrorKind if with_key.absorbs_error(k.value)} == absorbs
-    assert not any(plain.absorbs_error(k.value) for k in faults.ErrorKind)
+    assert {k for k in outcome_rule.ErrorKind if with_key.absorbs_error(k.value)} == absorbs
+    assert not any(plain.absorbs_error(k.value) for k in outcome_rule.ErrorKind)
 
 
 def test_xfail_errors_key_is_validated(tmp_path: Path) -> None:
@@ -481,7 +484,7 @@ def test_ctrl_c_before_the_results_plugin_exists_still_reports(
         pytester: pytest.Pytester, seed: Seeder) -> None:
     """The first thing the plugin does, its start-up checks, interrupted: still a verdict
     line and a valid report (the run is in this process, so the seed reaches it)."""
-    seed.replace("pytest_kvconform.startup.check_report_path", _interrupt)
+    seed.replace("pytest_kvconform.session.startup.check_report_path", _interrupt)
     result = pytester.runpytest(*KV_ARGS, "--kv-report", "r.json", no_reraise_ctrlc=True)
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(["kvconform: verdict: interrupted (interrupted: "
@@ -581,8 +584,8 @@ def test_plugin_bug_is_an_error_never_a_failure(pytester: pytest.Pytester, kv_ru
 # Kill the rank-0 worker before adoption; the harness must call it worker-died.
 WORKER_KILL = '''
 
-import pytest_kvconform.deployment as _deployment
-from pytest_kvconform.outcomes import ErrorKind, HarnessError
+import pytest_kvconform.workers.deployment as _deployment
+from pytest_kvconform.contract.outcomes import ErrorKind, HarnessError
 
 _START = _deployment.start
 
@@ -632,7 +635,7 @@ def test_killed_worker_is_an_error_of_kind_worker_died(pytester: pytest.Pytester
 @needs_omni
 def test_suite_path_argument_is_partial(pytester: pytest.Pytester, kv_run: Any) -> None:
     pytester.makeconftest(STAND_INS)
-    suite_file = Path(rp.__file__).parent / "suite" / "test_nullblock.py"
+    suite_file = Path(rp.__file__).parents[1] / "suite" / "test_nullblock.py"
     result = kv_run(str(suite_file), "-k", "kv_n1", "--kv-report", "r.json")
     assert result.ret == pytest.ExitCode.OK
     _summary_printed(result)
@@ -763,7 +766,7 @@ def test_kvconform_run_keeps_the_report_where_asked_or_says_none(
 # The worker for the test cannot even start: raised in the test body, before run_check.
 WORKER_NO_START = '''
 
-import pytest_kvconform.workers as _workers
+import pytest_kvconform.workers.pool as _workers
 
 _FOR_WORLD_SIZE = _workers.KvWorkers.for_world_size
 

@@ -1,6 +1,6 @@
 """The KV-A worker harness: child processes, pool reuse, death, clean shutdown.
 
-CPU workers fork from a preloaded fork server (``forkserver.py``); GPU workers are
+CPU workers fork from a preloaded fork server (``workers/forkserver.py``); GPU workers are
 spawned.  Pools here preload nothing, so a worker starts in well under a second; the
 suite's pool preloads vLLM / vllm-omni instead (in the fork server, once).
 """
@@ -15,8 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytest_kvconform import fault_seeds, forkserver, workers
-from pytest_kvconform.worker_extension import page_pattern
+from pytest_kvconform.adapters import seeds
+from pytest_kvconform.adapters.worker_extension import page_pattern
+from pytest_kvconform.workers import forkserver, protocol
+from pytest_kvconform.workers import pool as workers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +60,7 @@ def test_a_dead_worker_fails_its_request_with_stderr_and_is_replaced(
         pool: workers.WorkerPool) -> None:
     handle = pool.get(["cpu"])[0]
     old_pid = handle.pid
-    with pytest.raises(workers.WorkerDied) as info:
+    with pytest.raises(protocol.WorkerDied) as info:
         handle.request("crash", code=7, text="kvconform-test: segfault stand-in")
     message = str(info.value)
     assert "exit code 7" in message
@@ -70,9 +72,9 @@ def test_a_dead_worker_fails_its_request_with_stderr_and_is_replaced(
 
 def test_a_command_that_raises_reports_the_worker_traceback(pool: workers.WorkerPool) -> None:
     handle = pool.get(["cpu"])[0]
-    with pytest.raises(workers.WorkerCommandError, match="unknown worker command 'nope'"):
+    with pytest.raises(protocol.WorkerCommandError, match="unknown worker command 'nope'"):
         handle.request("nope")
-    with pytest.raises(workers.WorkerCommandError, match="engine_call before engine_run"):
+    with pytest.raises(protocol.WorkerCommandError, match="engine_call before engine_run"):
         handle.engine_call("kvconform_report", 0)
     assert handle.ping()["pid"] == handle.pid  # still serving
 
@@ -110,7 +112,7 @@ def test_page_pattern_tells_pages_ranks_and_cells_apart() -> None:
 
 def test_an_rpc_drains_every_reply_before_raising(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 dies; rank 1's reply is read anyway, so its next request is not off by one."""
-    from pytest_kvconform import deployment
+    from pytest_kvconform.workers import deployment
 
     own = workers.WorkerPool(preload=())
     try:
@@ -119,7 +121,7 @@ def test_an_rpc_drains_every_reply_before_raising(monkeypatch: pytest.MonkeyPatc
                             lambda frames: dying.send({"cmd": "crash", "code": 5}))
         monkeypatch.setattr(living, "send_rpc",  # answers None, unlike the ping that follows
                             lambda frames: living.send({"cmd": "release"}))
-        with pytest.raises(workers.WorkerDied, match="exit code 5"):
+        with pytest.raises(protocol.WorkerDied, match="exit code 5"):
             deployment._exchange([dying, living], [b""], "set_kv_cache_configs")
         assert living.ping()["pid"] == living.pid
     finally:
@@ -128,14 +130,14 @@ def test_an_rpc_drains_every_reply_before_raising(monkeypatch: pytest.MonkeyPatc
 
 def test_active_fault_is_validated_and_names_the_variable(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(workers.FAULT_ENV, raising=False)
+    monkeypatch.delenv(protocol.FAULT_ENV, raising=False)
     assert workers.active_fault() is None
-    monkeypatch.setenv(workers.FAULT_ENV, "")
+    monkeypatch.setenv(protocol.FAULT_ENV, "")
     assert workers.active_fault() is None
-    for fault in workers.FAULTS:
-        monkeypatch.setenv(workers.FAULT_ENV, fault)
+    for fault in protocol.FAULTS:
+        monkeypatch.setenv(protocol.FAULT_ENV, fault)
         assert workers.active_fault() == fault
-    monkeypatch.setenv(workers.FAULT_ENV, "wrong_ofset")
+    monkeypatch.setenv(protocol.FAULT_ENV, "wrong_ofset")
     with pytest.raises(ValueError, match=r"\$KVCONFORM_WORKER_FAULT='wrong_ofset'.*wrong_offset"):
         workers.active_fault()
 
@@ -153,8 +155,8 @@ def test_rank_placements_give_each_cuda_rank_its_own_gpu_id() -> None:
     assert workers.rank_placements(2, "cuda:0", ["GPU-a", "GPU-b"], outer) == [
         "gpu:GPU-a", "gpu:GPU-b"]
     assert "needs 3 CUDA devices" in str(workers.rank_placements(3, "cuda:0", ids[:2], {}))
-    assert workers.child_device("gpu:3") == ("cuda:0", "3")
-    assert workers.child_device("cpu") == ("cpu", None)
+    assert protocol.child_device("gpu:3") == ("cuda:0", "3")
+    assert protocol.child_device("cpu") == ("cpu", None)
 
 
 def test_a_gpu_placed_worker_sees_only_its_gpu() -> None:
@@ -176,7 +178,7 @@ def test_a_forked_worker_gets_its_parents_environment_at_start(
     own = workers.WorkerPool(preload=())
     try:
         assert own.warm(["cpu"]) and forkserver.wait_ready(60)
-        monkeypatch.setenv(workers.PIDDIR_ENV, str(tmp_path))
+        monkeypatch.setenv(protocol.PIDDIR_ENV, str(tmp_path))
         (handle,) = own.get(["cpu"])
         assert handle.info["start_method"] == "forkserver"
         assert os.path.exists(os.path.join(tmp_path, f"{handle.pid}.worker"))
@@ -186,8 +188,10 @@ def test_a_forked_worker_gets_its_parents_environment_at_start(
 
 STOPS = """
 import os
-from pytest_kvconform import fault_seeds, forkserver, workers
-from pytest_kvconform.worker_extension import page_pattern
+from pytest_kvconform.adapters import seeds
+from pytest_kvconform.workers import forkserver
+from pytest_kvconform.workers import pool as workers
+from pytest_kvconform.adapters.worker_extension import page_pattern
 
 if __name__ == "__main__":
     first, second = workers.WorkerPool(preload=()), workers.WorkerPool(preload=())
@@ -218,14 +222,14 @@ def test_the_fork_server_stops_with_its_last_pool(tmp_path: Path) -> None:
 
 
 def test_server_preload_is_imports_only() -> None:
-    assert workers.LOAD_PLUGINS not in workers.server_preload(workers.PRELOAD)
-    assert workers.server_preload(("a", workers.LOAD_PLUGINS, "b")) == ("a", "b")
+    assert protocol.LOAD_PLUGINS not in workers.server_preload(protocol.PRELOAD)
+    assert workers.server_preload(("a", protocol.LOAD_PLUGINS, "b")) == ("a", "b")
     assert workers.start_method("cpu") == "forkserver"
     assert workers.start_method("gpu:0") == workers.start_method("cuda:1") == "spawn"
 
 
 UNGUARDED = """
-from pytest_kvconform import workers
+from pytest_kvconform.workers import pool as workers
 
 # At module level, with no `if __name__ == "__main__":` guard, as a quick script is written.
 pool = workers.WorkerPool(preload=())
@@ -272,7 +276,7 @@ def test_a_worker_that_dies_before_its_own_code_runs_says_why(
         monkeypatch.setattr(workers, "child_device", lambda p: (_FailsToUnpickle(), None))
         own.prestart([placement])
         monkeypatch.undo()
-        with pytest.raises(workers.WorkerDied) as info:
+        with pytest.raises(protocol.WorkerDied) as info:
             own.workers[(placement, 0)].wait_ready(timeout=60)
         message = str(info.value)
         assert "died during 'start-up'" in message
@@ -302,10 +306,10 @@ def test_a_planted_symlink_under_the_pid_files_name_gets_nothing_written(
     target.write_text("keep\n")
     (piddir / f"{os.getpid()}.worker").symlink_to(target)
     (piddir / f"{os.getpid()}.hang").symlink_to(tmp_path / "dangling")  # would be created
-    monkeypatch.setenv(workers.PIDDIR_ENV, str(piddir))
+    monkeypatch.setenv(protocol.PIDDIR_ENV, str(piddir))
 
-    assert not fault_seeds.mark_pid("worker")
-    assert not fault_seeds.mark_pid("hang")
+    assert not seeds.mark_pid("worker")
+    assert not seeds.mark_pid("hang")
 
     assert target.read_text() == "keep\n" and not (tmp_path / "dangling").exists()
     err = capfd.readouterr().err
@@ -317,11 +321,11 @@ def test_a_planted_symlink_under_the_pid_files_name_gets_nothing_written(
 
 def test_a_pid_file_is_created_for_this_user_only(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(workers.PIDDIR_ENV, str(tmp_path))
-    assert fault_seeds.mark_pid("worker")
+    monkeypatch.setenv(protocol.PIDDIR_ENV, str(tmp_path))
+    assert seeds.mark_pid("worker")
     made = tmp_path / f"{os.getpid()}.worker"
     assert made.is_file() and not made.is_symlink() and made.stat().st_mode & 0o777 == 0o600
-    assert not fault_seeds.mark_pid("worker")  # never over what is there, even our own
+    assert not seeds.mark_pid("worker")  # never over what is there, even our own
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o1777])
@@ -332,25 +336,25 @@ def test_a_pid_dir_anyone_may_plant_files_in_is_refused(
     piddir = tmp_path / "shared"
     piddir.mkdir()
     piddir.chmod(mode)
-    monkeypatch.setenv(workers.PIDDIR_ENV, str(piddir))
+    monkeypatch.setenv(protocol.PIDDIR_ENV, str(piddir))
     if mode & 0o1000:
-        fault_seeds.check_piddir()
-        assert fault_seeds.mark_pid("worker")
+        seeds.check_piddir()
+        assert seeds.mark_pid("worker")
         return
     with pytest.raises(ValueError) as info:
-        fault_seeds.check_piddir()
+        seeds.check_piddir()
     assert str(info.value) == (f"$KVCONFORM_WORKER_PIDDIR={piddir}: refusing to write PID "
                                "files there: anyone may write to it (world-writable, no "
                                "sticky bit)")
-    assert not fault_seeds.mark_pid("worker") and not list(piddir.iterdir())
+    assert not seeds.mark_pid("worker") and not list(piddir.iterdir())
 
 
 def test_a_pid_dir_that_is_not_a_directory_is_refused(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(workers.PIDDIR_ENV, str(tmp_path / "missing"))
+    monkeypatch.setenv(protocol.PIDDIR_ENV, str(tmp_path / "missing"))
     with pytest.raises(ValueError, match=r"PIDDIR=.*missing: not a directory this run can use "
                                          r"\(No such file or directory\)"):
-        fault_seeds.check_piddir()
+        seeds.check_piddir()
 
 
 def test_a_run_with_an_unsafe_pid_dir_is_a_usage_error_and_leaves_sigterm_as_it_was(
@@ -362,7 +366,7 @@ def test_a_run_with_an_unsafe_pid_dir_is_a_usage_error_and_leaves_sigterm_as_it_
     piddir = pytester.path / "shared"
     piddir.mkdir()
     piddir.chmod(0o777)
-    monkeypatch.setenv(workers.PIDDIR_ENV, str(piddir))
+    monkeypatch.setenv(protocol.PIDDIR_ENV, str(piddir))
     result = pytester.runpytest(*KV_ARGS, "-k", "kv_l1")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*$KVCONFORM_WORKER_PIDDIR={piddir}: refusing to write PID "

@@ -24,7 +24,7 @@ import pytest
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session):
-    from pytest_kvconform import forkserver
+    from pytest_kvconform.workers import forkserver
 
     who = os.environ.get("PYTEST_XDIST_WORKER", "controller")
     Path(f"proc-{who}.json").write_text(json.dumps({

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvconform import xfails
-from pytest_kvconform.xfails import (
+from pytest_kvconform.session import xfails
+from pytest_kvconform.session.xfails import (
     XfailEntry,
     XfailFileError,
     first_match,

@@ -73,7 +73,7 @@ PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_29_x86_64", "manylinux_2_28_x
 # What the GPU checks import (plugin, KV-A workers, KV-L7 drivers); the wheels are the
 # import closure of these on top of the image, found by importing them here with -S.
 ENTRY_MODULES = (
-    "pytest_kvconform.plugin", "pytest_kvconform.session", "pytest_kvconform.workers",
+    "pytest_kvconform.plugin", "pytest_kvconform.session.run", "pytest_kvconform.workers.pool",
     "pytest_kvconform.checks.adoption", "pytest_kvconform.checks.paged",
     "vllm_omni.diffusion.attention.backends.registry",
     "vllm_omni.diffusion.attention.backends.flash_attn",

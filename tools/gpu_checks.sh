@@ -88,8 +88,8 @@ tail -25 "$out/gpu.log"
 import json, sys
 import torch
 from pytest_kvconform import cases, compat, oracle
-from pytest_kvconform.checks import adoption
-from pytest_kvconform.control_plane import build_control_plane
+from pytest_kvconform.checks import adoption, adoption_bytes
+from pytest_kvconform.adapters.control_plane import build_control_plane
 fraction = 0.5
 case = next(c for c in cases.load_cases([]) if c.world_size == 1)
 free = compat.device_free_memory("cuda:0")
@@ -97,7 +97,7 @@ cp = build_control_plane(False, case, device="cuda:0", available_memory=[int(fre
 config = cp.rank_configs[0]
 tensor = config.kv_cache_tensors[0]
 geom = adoption._geometry(config, len(tensor.layers))
-pages = adoption._far_pages(cp.pinned, geom, tensor.offset)
+pages = adoption_bytes._far_pages(cp.pinned, geom, tensor.offset)
 probes = [{"layer": l, "block": b,
            "byte_offset": oracle.page_start(cp.pinned, geom, l, b, tensor.offset)}
           for l, b in pages]

@@ -5,7 +5,7 @@ when it does not, or :class:`ClauseSkip` when it cannot run here (a missing
 package, device or importable backend).  The pytest front-end
 (``pytest_kvconform.suite``) and the plain Python API
 (:func:`pytest_kvconform.api.check_backend`, which ``kvconform run`` drives) share
-these functions, through the clause table (:mod:`pytest_kvconform.clauses`).
+these functions, through the clause table (:mod:`pytest_kvconform.contract.clauses`).
 """
 
 from __future__ import annotations

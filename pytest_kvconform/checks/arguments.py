@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvconform.model import BackendUnderTest, Case
+from pytest_kvconform.contract.records import BackendUnderTest, Case
 
 # The parameter names a check may take.
 NAMES = ("backend", "need", "need_backend", "layout", "case", "device", "workers", "worker",

@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_kvconform import budget, memory
 from pytest_kvconform.checks.errors import (
     ClauseFailure,
     ClauseSkip,
@@ -18,8 +17,10 @@ from pytest_kvconform.checks.errors import (
     SkipKind,
     Unsupported,
 )
-from pytest_kvconform.model import BackendUnderTest, Case
-from pytest_kvconform.outcomes import bracketed
+from pytest_kvconform.contract import memory
+from pytest_kvconform.contract.outcomes import bracketed
+from pytest_kvconform.contract.records import BackendUnderTest, Case
+from pytest_kvconform.workers import budget
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pytest_kvconform.outcomes import (
+from pytest_kvconform.contract.outcomes import (
     ClauseFailure,
     ClauseSkip,
     ErrorKind,

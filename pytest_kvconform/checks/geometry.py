@@ -6,8 +6,8 @@ here once, from the case's own numbers (``cases.page_bytes``) and the oracle.
 
 from __future__ import annotations
 
-from pytest_kvconform import cases, oracle
-from pytest_kvconform.model import Case
+from pytest_kvconform.contract import cases, oracle
+from pytest_kvconform.contract.records import Case
 
 
 def page_stride(case: Case) -> int:

@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
-from pytest_kvconform import compat, oracle
+from pytest_kvconform.adapters import compat
+from pytest_kvconform.adapters.control_plane import production_control_plane_call
 from pytest_kvconform.checks.common import (
     Problems,
     Where,
@@ -21,9 +22,9 @@ from pytest_kvconform.checks.errors import (
     HarnessError,
     SkipKind,
 )
-from pytest_kvconform.control_plane import production_control_plane_call
-from pytest_kvconform.devices import Unplaceable
-from pytest_kvconform.model import BackendUnderTest, Case
+from pytest_kvconform.contract import oracle
+from pytest_kvconform.contract.records import BackendUnderTest, Case
+from pytest_kvconform.workers.devices import Unplaceable
 
 DEFAULT_LAYOUT = "LBNHC"
 _CALLS = 3
@@ -294,7 +295,7 @@ def check_kv_l6(backend: BackendUnderTest, workers: Any) -> None:
     through ``diffusion_attention_config``, against the executor production selects,
     whose worker adopts and allocates.
     """
-    from pytest_kvconform import engine
+    from pytest_kvconform.adapters import engine
     from pytest_kvconform.checks import adoption
 
     clause = "KV-L6"
@@ -352,7 +353,7 @@ def check_kv_l6(backend: BackendUnderTest, workers: Any) -> None:
 def seam_backend(need: bool) -> BackendUnderTest:
     """A paged backend declaring ``need``, so KV-L6 covers both needs even while the
     registry declares only False (a wiring gap would otherwise stay invisible)."""
-    from pytest_kvconform import seam_backends
+    from pytest_kvconform.adapters import seam_backends
 
     path = seam_backends.path(need)
     return BackendUnderTest(f"need_{need}", path, "synthetic",

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pytest_kvconform import compat, oracle
+from pytest_kvconform.adapters import compat
 from pytest_kvconform.checks.common import Where, allocating
 from pytest_kvconform.checks.errors import ClauseSkip, HarnessError, Unsupported
 from pytest_kvconform.checks.geometry import geometry_for, page_stride
-from pytest_kvconform.model import Case
+from pytest_kvconform.contract import oracle
+from pytest_kvconform.contract.records import Case
 
 # Extra pages per rank for KV-N5; the smallest is not on rank 0, so "take rank 0's
 # count" and "take the largest" both show.

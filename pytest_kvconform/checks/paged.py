@@ -16,12 +16,12 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvconform import compat, paged_drivers
+from pytest_kvconform.adapters import compat, paged_drivers
+from pytest_kvconform.adapters.paged_drivers import Row
 from pytest_kvconform.checks.common import Where, backend_class, declared_need
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, SkipKind, Unsupported
-from pytest_kvconform.model import BackendUnderTest, Case
-from pytest_kvconform.outcomes import HarnessError
-from pytest_kvconform.paged_drivers import Row
+from pytest_kvconform.contract.outcomes import HarnessError
+from pytest_kvconform.contract.records import BackendUnderTest, Case
 
 CLAUSE = "KV-L7"
 QUERY_HEADS_PER_KV_HEAD = 2  # GQA, so a backend that pairs heads wrongly is caught too

@@ -1,6 +1,6 @@
 """KV-S clauses: production stride derivation and real views against the oracle.
 
-Expected numbers come only from :mod:`pytest_kvconform.oracle` or from arithmetic on the
+Expected numbers come only from :mod:`pytest_kvconform.contract.oracle` or from arithmetic on the
 case's own numbers, never from ``compute_layout_strides``.  Two production sources are
 checked: vllm-omni's ``build_kv_cache_tensor`` and the control plane's planner
 (``get_kv_cache_configs`` on vllm-omni's production config, with the layout pinned).
@@ -14,12 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvconform import cases, compat, oracle
+from pytest_kvconform.adapters import compat
 from pytest_kvconform.checks import bytemap
 from pytest_kvconform.checks.common import Where, allocating
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, HarnessError, Unsupported
 from pytest_kvconform.checks.geometry import geometry_for, page_stride
-from pytest_kvconform.model import Case
+from pytest_kvconform.contract import cases, oracle
+from pytest_kvconform.contract.records import Case
 
 OMNI_SOURCE = "vllm-omni build_kv_cache_tensor"
 PLANNER_SOURCE = "control plane get_kv_cache_configs"

@@ -1,8 +1,8 @@
 """Run one clause check under pytest: a ClauseSkip becomes a reported skip, a harness
-fault an error of its kind (see ``faults.py``).
+fault an error of its kind (see ``contract/outcome_rule.py``).
 
 The check runs inside the per-test budget (``--kv-timeout``): every wait in it is
-bounded by what is left (``budget.py``).
+bounded by what is left (``workers/budget.py``).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform import budget
 from pytest_kvconform.checks.common import via_recorded
 from pytest_kvconform.checks.errors import ClauseSkip, Unsupported
-from pytest_kvconform.model import SKIP_KIND_PROPERTY, VIA_PROPERTY
+from pytest_kvconform.contract.records import SKIP_KIND_PROPERTY, VIA_PROPERTY
+from pytest_kvconform.workers import budget
 
 # The fixture each check argument comes from.
 FIXTURE = {"backend": "kv_backend", "need": "kv_need", "need_backend": "kv_need",
@@ -31,7 +31,7 @@ def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args:
     Harness faults escaping the test body are classified by the session's
     ``pytest_runtest_makereport`` (status ``error`` with their kind, never a failure).
     """
-    from pytest_kvconform.clauses import clause_from_test_name
+    from pytest_kvconform.contract.clauses import clause_from_test_name
     from pytest_kvconform.plugin import kv_session
 
     try:

@@ -3,7 +3,7 @@
 ``test_kv_aN`` runs for every backend's declared need; ``test_kv_aN_seam`` once
 per need (False, True) through the control plane's explicit seam, so the
 block-outermost path runs end to end even while no backend declares it.  Each
-stands up production's engine on the ``kv_workers`` processes (``deployment.py``).
+stands up production's engine on the ``kv_workers`` processes (``workers/deployment.py``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform import clauses
-from pytest_kvconform.checks import adoption
-from pytest_kvconform.model import BackendUnderTest, Case
+from pytest_kvconform.checks import adoption, adoption_bytes
+from pytest_kvconform.contract import clauses
+from pytest_kvconform.contract.records import BackendUnderTest, Case
 from pytest_kvconform.suite.runner import run_check
 
 # The case predicates live in the clause table (``with_args``: a lone function would be
@@ -60,14 +60,14 @@ def test_kv_a2_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case
 def test_kv_a3(request: pytest.FixtureRequest, kv_backend: BackendUnderTest, kv_case: Case,
                kv_workers: Any) -> None:
     """KV-A3 adopt, init_kv_cache on the worker's device, bytes at oracle offsets."""
-    run_check(request, adoption.check_kv_a3, kv_backend, kv_case, _ranks(kv_workers, kv_case))
+    run_check(request, adoption_bytes.check_kv_a3, kv_backend, kv_case, _ranks(kv_workers, kv_case))
 
 
 @world_sizes
 def test_kv_a3_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case,
                     kv_workers: Any) -> None:
     """KV-A3 through the explicit seam."""
-    run_check(request, adoption.check_kv_a3, kv_need, kv_case, _ranks(kv_workers, kv_case))
+    run_check(request, adoption_bytes.check_kv_a3, kv_need, kv_case, _ranks(kv_workers, kv_case))
 
 
 @world_sizes
@@ -88,21 +88,21 @@ def test_kv_a4_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case
 def test_kv_a5(request: pytest.FixtureRequest, kv_backend: BackendUnderTest, kv_case: Case,
                kv_workers: Any) -> None:
     """KV-A5 N > 1 ranks, each its own process and config."""
-    run_check(request, adoption.check_kv_a5, kv_backend, kv_case, _ranks(kv_workers, kv_case))
+    run_check(request, adoption_bytes.check_kv_a5, kv_backend, kv_case, _ranks(kv_workers, kv_case))
 
 
 @multi_rank
 def test_kv_a5_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case,
                     kv_workers: Any) -> None:
     """KV-A5 through the explicit seam."""
-    run_check(request, adoption.check_kv_a5, kv_need, kv_case, _ranks(kv_workers, kv_case))
+    run_check(request, adoption_bytes.check_kv_a5, kv_need, kv_case, _ranks(kv_workers, kv_case))
 
 
 def _a6(request: pytest.FixtureRequest, source: Any, case: Case, kv_workers: Any) -> None:
     from pytest_kvconform.plugin import kv_session
 
     fraction = kv_session(request.config).options.memory_fraction
-    run_check(request, adoption.check_kv_a6, source, case, kv_workers.device,
+    run_check(request, adoption_bytes.check_kv_a6, source, case, kv_workers.device,
               lambda: _ranks(kv_workers, case), fraction)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.checks import layout
-from pytest_kvconform.model import BackendUnderTest
+from pytest_kvconform.contract.records import BackendUnderTest
 from pytest_kvconform.suite.runner import run_check
 
 # user_properties key: which layouts x cases KV-L7 covered, and which did not apply.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvconform import clauses
 from pytest_kvconform.checks import strides
-from pytest_kvconform.model import Case
+from pytest_kvconform.contract import clauses
+from pytest_kvconform.contract.records import Case
 from pytest_kvconform.suite.runner import run_check
 
 # The case predicates live in the clause table.

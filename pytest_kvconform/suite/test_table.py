@@ -1,6 +1,6 @@
 """Suite tests generated from the clause table, for the rows no hand-written test covers.
 
-A new clause is a check function plus a row in ``pytest_kvconform.clauses``;
+A new clause is a check function plus a row in ``pytest_kvconform.contract.clauses``;
 this module turns the row into ``test_kv_<x><n>[...]``, parametrised over the
 same fixtures (and case predicate) as the hand-written tests.  Rows that a
 hand-written suite module already runs generate nothing here, so their test
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform import clauses
 from pytest_kvconform.checks.arguments import Sources, arguments
+from pytest_kvconform.contract import clauses
 from pytest_kvconform.suite.runner import FIXTURE, run_check
 
 # The hand-written suite modules; a test function defined there is not generated.

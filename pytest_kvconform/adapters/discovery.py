@@ -1,0 +1,215 @@
+"""Which diffusion attention backends exist, and why one is unusable.
+
+Sources, in order: vllm-omni's ``DiffusionAttentionBackendEnum`` (each member
+resolved through ``get_class()`` so ``register_diffusion_backend`` overrides
+count), the current Omni platform's default choice, the
+``pytest_kvconform_backends`` hook and the ``pytest_kvconform.backends``
+entry-point group.  A backend that fails to import is still returned, with the
+error, so its tests report it instead of vanishing.  The result is sorted by
+name: every xdist worker must collect the same tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+from pytest_kvconform.adapters import compat
+from pytest_kvconform.contract.outcomes import describe_error
+from pytest_kvconform.contract.records import BackendUnderTest
+
+ENTRY_POINT_GROUP = "pytest_kvconform.backends"
+OMNI_MISSING = "vllm-omni not installed"
+
+
+class Origins(Protocol):
+    """Who re-pointed a registry member (``omni_plugins.PluginLoad``)."""
+
+    def origin_of(self, member: str, overridden: bool) -> str: ...
+
+
+class DiscoveryError(ValueError):
+    """Backends cannot be listed consistently (a name defined twice, a bad hook result)."""
+
+
+@dataclass
+class Discovery:
+    """The backends found, plus notes on sources that contributed nothing."""
+
+    backends: list[BackendUnderTest] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [b.name for b in self.backends]
+
+    def by_name(self, name: str) -> BackendUnderTest:
+        for backend in self.backends:
+            if backend.name == name:
+                return backend
+        raise KeyError(name)
+
+
+def import_object(spec: str) -> Any:
+    """Resolve ``module:qualname`` or ``module.qualname``."""
+    if ":" in spec:
+        module_name, _, qualname = spec.partition(":")
+    else:
+        module_name, _, qualname = spec.rpartition(".")
+    if not module_name or not qualname:
+        raise ImportError(f"not an import path: {spec!r} (use 'package.module:Class')")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _path_of(cls: Any) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def registry_backends() -> tuple[list[BackendUnderTest], str | None]:
+    """Every ``DiffusionAttentionBackendEnum`` member, importable or not."""
+    if not compat.omni_installed():
+        return [], OMNI_MISSING
+    try:
+        from vllm_omni.diffusion.attention.backends.registry import (
+            DiffusionAttentionBackendEnum,
+        )
+    except Exception as exc:  # a broken vllm-omni install is reported, not fatal
+        return [], f"vllm-omni registry not importable: {describe_error(exc)}"
+    found = []
+    for member in DiffusionAttentionBackendEnum:
+        try:
+            overridden = bool(member.is_overridden())
+            path = member.get_path()
+        except Exception as exc:
+            found.append(BackendUnderTest(member.name, "", "registry", overridden,
+                                          error=describe_error(exc)))
+            continue
+        try:
+            cls = member.get_class()
+        except Exception as exc:
+            found.append(BackendUnderTest(member.name, path, "registry", overridden,
+                                          error=describe_error(exc)))
+            continue
+        found.append(BackendUnderTest(member.name, path, "registry", overridden, cls=cls))
+    return found, None
+
+
+def platform_backend(known_paths: set[str], head_size: int = 64) -> tuple[
+        BackendUnderTest | None, str | None]:
+    """The current Omni platform's default backend, when it is not a registry member."""
+    try:
+        from vllm_omni.platforms import current_omni_platform
+
+        path = current_omni_platform.get_diffusion_attn_backend_cls(None, head_size)
+    except NotImplementedError:
+        return None, "the current Omni platform selects no default diffusion backend"
+    except Exception as exc:
+        return None, f"platform default backend unavailable: {describe_error(exc)}"
+    if not isinstance(path, str) or path in known_paths:
+        return None, None
+    name = path.rsplit(".", 1)[-1]
+    origin = f"the Omni platform {_path_of(type(current_omni_platform))}"
+    try:
+        return BackendUnderTest(name, path, "platform", cls=import_object(path),
+                                origin=origin), None
+    except Exception as exc:
+        return BackendUnderTest(name, path, "platform", error=describe_error(exc),
+                                origin=origin), None
+
+
+def _from_mapping(mapping: Mapping[str, Any], source: str) -> list[BackendUnderTest]:
+    if not isinstance(mapping, Mapping):
+        raise DiscoveryError(f"{source} returned {type(mapping).__name__}, expected a mapping "
+                             "of name -> backend class or 'module:Class'")
+    found = []
+    for name, target in mapping.items():
+        if not isinstance(name, str) or not name or not name.replace("_", "").isalnum():
+            raise DiscoveryError(f"{source} gave backend name {name!r}; use letters, digits, '_'")
+        if isinstance(target, str):
+            try:
+                found.append(BackendUnderTest(name, target, source, cls=import_object(target)))
+            except Exception as exc:
+                found.append(BackendUnderTest(name, target, source, error=describe_error(exc)))
+        elif isinstance(target, type):
+            found.append(BackendUnderTest(name, _path_of(target), source, cls=target))
+        else:
+            raise DiscoveryError(f"{source} gave {name!r} -> {target!r}; expected a class or "
+                                 "an import string")
+    return found
+
+
+def entry_point_backends() -> list[BackendUnderTest]:
+    """Backends from the ``pytest_kvconform.backends`` entry-point group."""
+    found: list[BackendUnderTest] = []
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        source = f"entry-point {ep.name} ({ep.value})"
+        try:
+            obj = ep.load()
+        except Exception as exc:
+            found.append(BackendUnderTest(ep.name, ep.value, "entry-point",
+                                          error=describe_error(exc)))
+            continue
+        if isinstance(obj, type):
+            found.append(BackendUnderTest(ep.name, _path_of(obj), "entry-point", cls=obj))
+        elif callable(obj):
+            try:
+                mapping = obj()
+            except Exception as exc:
+                found.append(BackendUnderTest(ep.name, ep.value, "entry-point",
+                                              error=f"calling it raised {describe_error(exc)}"))
+                continue
+            found.extend(_from_mapping(mapping, "entry-point"))
+        else:
+            raise DiscoveryError(f"{source} loads {obj!r}; expected a class or a callable "
+                                 "returning a mapping")
+    return found
+
+
+def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
+             *, include_registry: bool = True,
+             include_entry_points: bool = True,
+             registry: Callable[[], tuple[list[BackendUnderTest], str | None]] = registry_backends,
+             origins: Origins | None = None,
+             ) -> Discovery:
+    """All backends, sorted by name; a name defined by two sources is an error.
+
+    Load the plugins first (``omni_plugins.load_plugins``), as production does
+    before it resolves a backend, and pass the result as ``origins``: each
+    registry member then says who put its class there.
+    """
+    result = Discovery()
+    if include_registry:
+        found, reason = registry()
+        if origins is not None:
+            found = [dataclasses.replace(b, origin=origins.origin_of(b.name, b.overridden))
+                     for b in found]
+        result.backends.extend(found)
+        if reason:
+            result.notes.append(reason)
+        else:
+            extra, note = platform_backend({b.path for b in found})
+            if extra is not None:
+                result.backends.append(extra)
+            if note:
+                result.notes.append(note)
+    for mapping in hook_results:
+        if mapping:
+            result.backends.extend(_from_mapping(mapping, "hook"))
+    if include_entry_points:
+        result.backends.extend(entry_point_backends())
+    seen: dict[str, BackendUnderTest] = {}
+    for backend in result.backends:
+        if backend.name in seen:
+            raise DiscoveryError(f"backend name {backend.name!r} is defined twice: by "
+                                 f"{seen[backend.name].source} ({seen[backend.name].path}) and "
+                                 f"by {backend.source} ({backend.path})")
+        seen[backend.name] = backend
+    result.backends.sort(key=lambda b: b.name)
+    return result

@@ -1,0 +1,356 @@
+"""The clause table: one row per contract clause, the one place each fact about a clause lives.
+
+A row says which family a clause belongs to, its title, which skip kinds strict
+qualification forgives it, what it is parametrised over, which spec cases it
+runs on, and which check function(s) in ``pytest_kvconform.checks`` carry it out
+(as import strings, resolved only when called).  The clause-id grammar and the
+family order live here too.
+
+Stdlib only, beside :mod:`pytest_kvconform.contract.outcomes` at the bottom of the
+package: importing it imports neither pytest, torch, vLLM nor vllm-omni, so
+the plugin, the report, the plain Python API (:mod:`pytest_kvconform.api`) and
+the tests may all read it.
+
+Adding a clause is two edits: a ``check_kv_<x><n>`` function in ``checks/`` and
+a :class:`Clause` row in :data:`CLAUSES`.  ``suite/test_table.py`` then generates
+its pytest test and :func:`pytest_kvconform.check_backend` runs it; the rows
+that predate the table keep their hand-written suite tests (and test ids), which
+``tests/test_clauses.py`` holds to the table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pytest_kvconform.contract.outcomes import SkipKind
+
+if TYPE_CHECKING:
+    from pytest_kvconform.contract.records import Case
+
+# The contract's sections, in its order: the order of the report's columns.
+FAMILY_ORDER = "LSNA"
+FAMILY_TITLES: Mapping[str, str] = {
+    "L": "layout contract",
+    "S": "stride derivation",
+    "N": "null-block sizing",
+    "A": "control plane to worker adoption",
+}
+# The one clause-id grammar: ``KV-L2`` is family L, number 2.
+CLAUSE_RE = re.compile(rf"^KV-(?P<family>[{FAMILY_ORDER}])(?P<number>[0-9]+)$")
+# A suite test cites its clause in its name: ``test_kv_l8_alias[TORCH_SDPA]`` -> KV-L8.
+TEST_NAME_RE = re.compile(rf"^test_kv_(?P<family>[{FAMILY_ORDER.lower()}])(?P<number>[0-9]+)"
+                          r"(?:_(?P<variant>\w+?))?(?:\[|$)")
+
+# What a check is called with, in order (the suite's fixture of the same meaning in brackets):
+#   backend         the BackendUnderTest                                  [kv_backend]
+#   need            False / True, the control plane's explicit seam       [kv_need]
+#   need_backend    a stand-in backend declaring the need                 [layout.seam_backend]
+#   layout          one of the six physical layouts                       [kv_layout]
+#   case            a spec case the clause's predicate selects            [kv_case]
+#   device          the torch device of this process                      [kv_device]
+#   workers         the worker processes for the case's world size, or    [kv_workers]
+#                   the reason (a str) there are not enough devices
+#   worker          one worker process (a world-size-1 deployment), or    [kv_workers]
+#                   the reason there is none
+#   workers_device  the device the workers were placed from              [kv_workers.device]
+#   workers_factory a callable returning ``workers`` (started on demand)
+#   memory_fraction the share of free device memory KV-A6 allocates       [--kv-memory-fraction]
+Arg = Literal["backend", "need", "need_backend", "layout", "case", "device", "workers",
+              "worker", "workers_device", "workers_factory", "memory_fraction"]
+# The arguments that make the parameter axes, in the suite's id order (backend-layout-case).
+WHO_ARGS: frozenset[str] = frozenset({"backend", "need", "need_backend"})
+WORKER_ARGS: frozenset[str] = frozenset({"workers", "worker", "workers_factory"})
+AppliesTo = Literal["backend", "layout x case", "case", "backend x case"]
+
+ALWAYS_FORGIVEN: frozenset[SkipKind] = frozenset({SkipKind.NOT_APPLICABLE})
+HARDWARE_FORGIVEN: frozenset[SkipKind] = frozenset({SkipKind.NOT_APPLICABLE, SkipKind.HARDWARE})
+
+
+# --- case predicates (the suite's ``kv_cases`` markers import these) ---------------------
+
+# The adoption clauses run on two cases: world size 1 and 2.
+A_CASES = ("bf16_h8", "ws2")
+
+
+def one_rank_one_group(case: Case) -> bool:
+    return case.world_size == 1 and case.num_groups == 1
+
+
+def one_group(case: Case) -> bool:
+    return case.num_groups == 1
+
+
+def plain(case: Case) -> bool:
+    """One rank, one group, no padding: the cases every layout must lay out."""
+    return case.world_size == 1 and case.num_groups == 1 and case.page_size_padded is None
+
+
+def dense(case: Case) -> bool:
+    return plain(case) and case.kernel_block_size is None
+
+
+def split_or_padded(case: Case) -> bool:
+    return case.world_size == 1 and case.num_groups == 1 and (
+        case.kernel_block_size is not None or case.page_size_padded is not None)
+
+
+def several_groups(case: Case) -> bool:
+    return case.world_size == 1 and case.num_groups > 1
+
+
+def adoption_case(case: Case) -> bool:
+    return case.id in A_CASES
+
+
+def adoption_multi_rank(case: Case) -> bool:
+    return case.id in A_CASES and case.world_size > 1
+
+
+def adoption_single_rank(case: Case) -> bool:
+    return case.id in A_CASES and case.world_size == 1
+
+
+# --- the table ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check function of a clause, and the suite test that runs it.
+
+    ``variant`` is the suffix of the suite test's name (``"alias"`` for
+    ``test_kv_l8_alias``; ``""`` for the plain ``test_kv_l8``).  ``seam`` marks
+    the variants that run once per need (False, True) through the control
+    plane's explicit seam instead of for a discovered backend.
+    """
+
+    function: str  # "module:function"
+    args: tuple[Arg, ...]
+    variant: str = ""
+    seam: bool = False
+
+    def resolve(self) -> Callable[..., None]:
+        """The check function itself (imports its module now, not before)."""
+        module, _, name = self.function.partition(":")
+        fn: Callable[..., None] = getattr(importlib.import_module(module), name)
+        return fn
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The parameters a run of this check varies over, in test-id order."""
+        order = ("backend", "need", "layout", "case")
+        named = {"need" if a == "need_backend" else a for a in self.args}
+        return tuple(a for a in order if a in named)
+
+    @property
+    def needs_workers(self) -> bool:
+        return bool(WORKER_ARGS & set(self.args))
+
+
+@dataclass(frozen=True)
+class Clause:
+    """One contract clause."""
+
+    id: str
+    title: str
+    applies_to: AppliesTo
+    checks: tuple[Check, ...]
+    # The skip kinds strict qualification forgives: a skip of any other kind blocks it.
+    forgiven: frozenset[SkipKind] = ALWAYS_FORGIVEN
+    # Which spec cases it runs on; None when it takes no case.
+    cases: Callable[[Case], bool] | None = None
+
+    @property
+    def family(self) -> str:
+        return parse_clause(self.id)[0]
+
+    @property
+    def number(self) -> int:
+        return parse_clause(self.id)[1]
+
+    def test_name(self, check: Check) -> str:
+        """The suite test function that runs ``check``: ``test_kv_l8_alias``."""
+        base = "test_kv_" + self.id.removeprefix("KV-").lower()
+        suffix = "_".join(p for p in (check.variant, "seam" if check.seam else "") if p)
+        return f"{base}_{suffix}" if suffix else base
+
+
+def _c(module: str, name: str, *args: Arg, variant: str = "", seam: bool = False) -> Check:
+    return Check(f"pytest_kvconform.checks.{module}:{name}", args, variant, seam)
+
+
+def _l(n: int, title: str, *checks: Check, forgiven: frozenset[SkipKind] = ALWAYS_FORGIVEN
+       ) -> Clause:
+    return Clause(f"KV-L{n}", title, "backend", checks, forgiven)
+
+
+def _s(n: int, title: str, cases: Callable[[Case], bool], *checks: Check) -> Clause:
+    return Clause(f"KV-S{n}", title, "layout x case", checks, ALWAYS_FORGIVEN, cases)
+
+
+def _n(n: int, title: str, cases: Callable[[Case], bool], *args: Arg) -> Clause:
+    check = _c("nullblock", f"check_kv_n{n}", *args)
+    return Clause(f"KV-N{n}", title, "case", (check,), ALWAYS_FORGIVEN, cases)
+
+
+def _a(n: int, title: str, cases: Callable[[Case], bool], *args: Arg,
+       forgiven: frozenset[SkipKind] = HARDWARE_FORGIVEN) -> Clause:
+    """An adoption clause: for the backend's declared need, and once per need (seam)."""
+    name, module = f"check_kv_a{n}", "adoption_bytes" if n in (3, 5, 6) else "adoption"
+    checks = (_c(module, name, "backend", *args),
+              _c(module, name, "need", *args, seam=True))
+    return Clause(f"KV-A{n}", title, "backend x case", checks, forgiven, cases)
+
+
+_A6_ARGS: tuple[Arg, ...] = ("case", "workers_device", "workers_factory", "memory_fraction")
+
+CLAUSES: tuple[Clause, ...] = (
+    _l(1, "Declaration", _c("layout", "check_kv_l1", "backend")),
+    _l(2, "Resolution", _c("layout", "check_kv_l2", "backend")),
+    _l(3, "Precedence", _c("layout", "check_kv_l3", "backend")),
+    _l(4, "Contradiction", _c("layout", "check_kv_l4", "backend")),
+    _l(5, "Enforcement", _c("layout", "check_kv_l5", "backend")),
+    _l(6, "Production wiring", _c("layout", "check_kv_l6", "backend", "worker"),
+       _c("layout", "check_kv_l6", "need_backend", "worker", seam=True)),
+    _l(7, "Paged read path", _c("layout", "check_kv_l7", "backend", "device"),
+       forgiven=HARDWARE_FORGIVEN),
+    _l(8, "User-selected layouts",
+       _c("layout", "check_kv_l8_canonical", "backend", variant="canonical"),
+       _c("layout", "check_kv_l8_alias", "backend", variant="alias"),
+       _c("layout", "check_kv_l8_worker_alias", "backend", variant="worker_alias"),
+       _c("layout", "check_kv_l8_env", "backend", "device", variant="env")),
+    _s(1, "Production tensor", plain, _c("strides", "check_kv_s1", "layout", "case")),
+    _s(2, "View addresses", dense, _c("strides", "check_kv_s2", "layout", "case", "device"),
+       _c("strides", "check_kv_s2_allocate", "layout", "case", "device", variant="allocate")),
+    _s(3, "Packing", plain, _c("strides", "check_kv_s3", "layout", "case")),
+    _s(4, "Kernel-block splitting and padded pages", split_or_padded,
+       _c("strides", "check_kv_s4", "layout", "case", "device")),
+    _s(5, "Several cache groups", several_groups,
+       _c("strides", "check_kv_s5", "layout", "case", "device")),
+    _n(1, "The null block is never handed out", one_rank_one_group, "case"),
+    _n(2, "P pages of memory: P blocks, P-1 planned", one_rank_one_group, "case"),
+    _n(3, "num_gpu_blocks_override", one_rank_one_group, "case"),
+    _n(4, "Fewer than two pages refused", one_rank_one_group, "case"),
+    _n(5, "Several ranks take the smallest num_blocks", one_group, "case"),
+    _a(1, "Pinned before sizing, stamped on every config", adoption_case, "case", "workers"),
+    _a(2, "A real process boundary", adoption_case, "case", "workers"),
+    _a(3, "Worker adoption and allocation at oracle offsets", adoption_case, "case", "workers"),
+    _a(4, "Negative controls", adoption_case, "case", "workers"),
+    _a(5, "Several ranks, one process each", adoption_multi_rank, "case", "workers"),
+    _a(6, "Real allocation at scale", adoption_single_rank, *_A6_ARGS),
+)
+BY_ID: Mapping[str, Clause] = {c.id: c for c in CLAUSES}
+# The skip kinds strict qualification forgives some clause (the report's global rule).
+FORGIVEN_SKIP_KINDS: frozenset[SkipKind] = frozenset().union(*(c.forgiven for c in CLAUSES))
+
+
+# --- the grammar ------------------------------------------------------------------------------
+
+
+def parse_clause(clause: str) -> tuple[str, int]:
+    """``"KV-L2"`` -> ``("L", 2)``; a ValueError naming the id otherwise."""
+    m = CLAUSE_RE.match(clause)
+    if m is None:
+        raise ValueError(f"not a clause id: {clause!r} (expected KV-<{'|'.join(FAMILY_ORDER)}>"
+                         f"<number>, e.g. KV-L2)")
+    return m["family"], int(m["number"])
+
+
+def clause_sort_key(clause: str) -> tuple[int, int, str]:
+    """Contract order: L, S, N, A families, then by number (KV-L2 before KV-L10)."""
+    m = CLAUSE_RE.match(clause)
+    if m is None:
+        return (len(FAMILY_ORDER) + 1, 0, clause)
+    return (FAMILY_ORDER.index(m["family"]), int(m["number"]), clause)
+
+
+def clause_from_test_name(name: str) -> str | None:
+    """``test_kv_l2`` / ``test_kv_l2[FLASH_ATTN]`` -> ``KV-L2``; None for other tests."""
+    m = TEST_NAME_RE.match(name)
+    if m is None:
+        return None
+    return f"KV-{m['family'].upper()}{m['number']}"
+
+
+def clause(clause_id: str) -> Clause:
+    """The table row of ``clause_id``; a ValueError naming it (and the known ids) if absent."""
+    parse_clause(clause_id)
+    try:
+        return BY_ID[clause_id]
+    except KeyError:
+        raise ValueError(f"unknown clause {clause_id!r}; the contract has "
+                         f"{', '.join(BY_ID)}") from None
+
+
+def select(clause_ids: Iterable[str] | None) -> list[Clause]:
+    """The rows named (all when None), in contract order; bad ids are one clear error."""
+    if clause_ids is None:
+        return list(CLAUSES)
+    if isinstance(clause_ids, str):
+        clause_ids = [clause_ids]
+    wanted = {clause(c).id for c in clause_ids}
+    return [c for c in CLAUSES if c.id in wanted]
+
+
+def skip_forgiven(clause_id: str, kind: SkipKind | str | None) -> bool:
+    """Whether strict qualification forgives a skip of ``kind`` for this clause."""
+    if kind is None:
+        return False
+    try:
+        return SkipKind(kind) in BY_ID[clause_id].forgiven
+    except (KeyError, ValueError):
+        return False
+
+
+def check_names() -> dict[str, tuple[Clause, Check]]:
+    """Every suite test function name the table implies, with its row and check."""
+    return {c.test_name(check): (c, check) for c in CLAUSES for check in c.checks}
+
+
+# --- the contract text ------------------------------------------------------------------------
+
+CONTRACT = Path(__file__).resolve().parents[1] / "contract.md"
+_CONTRACT_ITEM_RE = re.compile(r"^- (KV-[A-Z]+[0-9]+) (.*)$")
+
+
+def contract_clauses(text: str | None = None) -> dict[str, str]:
+    """Clause id -> the first line of its text in ``contract.md`` (in the contract's order)."""
+    if text is None:
+        text = CONTRACT.read_text(encoding="utf-8")
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        m = _CONTRACT_ITEM_RE.match(line)
+        if m is not None:
+            if m[1] in found:
+                raise ValueError(f"contract.md states clause {m[1]} twice")
+            found[m[1]] = m[2]
+    return found
+
+
+def as_rows() -> list[dict[str, Any]]:
+    """The table as plain rows (for the README's clause list and for tools)."""
+    return [{"clause": c.id, "family": c.family, "title": c.title, "applies_to": c.applies_to,
+             "forgiven": sorted(k.value for k in c.forgiven),
+             "tests": [c.test_name(k) for k in c.checks],
+             "checks": [k.function for k in c.checks]} for c in CLAUSES]
+
+
+CLAUSE_LIST_BEGIN = ("<!-- clause-table: generated by "
+                     "pytest_kvconform.contract.clauses.markdown_table -->")
+CLAUSE_LIST_END = "<!-- /clause-table -->"
+
+
+def markdown_table() -> str:
+    """The README's clause list, between its markers (a test compares the two)."""
+    lines = [CLAUSE_LIST_BEGIN, "",
+             "| clause | title | applies to | a skip is forgiven for | suite tests |",
+             "|---|---|---|---|---|"]
+    for row in as_rows():
+        tests = ", ".join(f"`{t}`" for t in row["tests"])
+        lines.append(f"| {row['clause']} | {row['title']} | {row['applies_to']} | "
+                     f"{', '.join(row['forgiven'])} | {tests} |")
+    return "\n".join([*lines, "", CLAUSE_LIST_END])

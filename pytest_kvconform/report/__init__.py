@@ -1,0 +1,2 @@
+"""The release qualification report: build, verdict rule, schema, environment, rendering
+and merging across hosts."""

@@ -1,0 +1,362 @@
+"""The qualification report: build it, write and read it; the one import for its users.
+
+Stdlib only (nothing here imports pytest, torch or vllm), so ``kvconform show`` and
+``kvconform merge`` run on a machine without the serving stack.
+
+The report's concerns live in their own modules, each importing only the ones before it:
+
+* :mod:`~pytest_kvconform.report.verdict`: the strict rule, the verdict, the run and
+  selection records;
+* :mod:`~pytest_kvconform.report.schema`: the schema's keys and :func:`validate_report`;
+* :mod:`~pytest_kvconform.report.env`: the ``environment`` record (versions, devices);
+* :mod:`~pytest_kvconform.report.render`: the terminal matrix and the Markdown;
+* :mod:`~pytest_kvconform.report.merge`: checking and merging several hosts' reports.
+
+This module builds a report from results (:func:`build_report`), writes it atomically
+and loads it, and re-exports the public names of the others, so callers import
+``pytest_kvconform.report.build`` only.
+
+A result is a dict with keys ``nodeid, backend, clause, case, layout, device,
+status, reason, duration_s`` plus optional ``skip_kind`` (a
+:class:`~pytest_kvconform.checks.errors.SkipKind` value) and ``xfail`` (the
+``describe()`` id of the xfail entry applied).  ``backend`` is None for
+upstream (per layout/case) tests; the matrices show those in a ``(upstream)`` row.
+
+A status ``error`` result may carry ``error_kind`` (``worker-died``, ``timeout``,
+``oom``, ``harness``): the harness failed there, not the backend.  A result whose test
+drove KV-A workers under a seeded worker fault carries ``seeded_fault`` (the fault's
+name, also in ``environment.seeded_faults``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from pytest_kvconform.contract import CONTRACT_VERSION
+from pytest_kvconform.contract.clauses import CLAUSE_RE, clause_sort_key
+from pytest_kvconform.report.env import environment_info
+from pytest_kvconform.report.merge import (
+    check_mergeable,
+    host_labels,
+    merged_uncovered,
+    merged_verdict,
+    render_merged_markdown,
+)
+from pytest_kvconform.report.render import (
+    UPSTREAM_ROW,
+    render_markdown,
+    render_terminal_matrix,
+    worst_status,
+)
+from pytest_kvconform.report.schema import (
+    BACKEND_KEYS,
+    BACKEND_OPTIONAL_KEYS,
+    ENV_KEYS,
+    ERROR_KINDS,
+    RESULT_KEYS,
+    RESULT_OPTIONAL_KEYS,
+    SCHEMA,
+    SKIP_KINDS,
+    ReportError,
+    expect_shallow,
+    jsonable,
+    result_sort_key,
+    validate_report,
+)
+from pytest_kvconform.report.verdict import (
+    FORGIVEN_SKIP_KINDS,
+    STATUSES,
+    VERDICTS,
+    compute_verdict,
+    describe_startup_failure,
+    describe_uncovered,
+    interruption_of,
+    judge,
+    left_out,
+    now_iso,
+    ran_count,
+    run_record,
+    selection_record,
+    startup_failures,
+    summarize,
+    uncovered_entries,
+    verdict_text,
+)
+from pytest_kvconform.workers.devices import nvidia_smi
+
+__all__ = [
+    "CLAUSE_RE",
+    "ERROR_KINDS",
+    "FORGIVEN_SKIP_KINDS",
+    "SCHEMA",
+    "SKIP_KINDS",
+    "STATUSES",
+    "UPSTREAM_ROW",
+    "VERDICTS",
+    "ReportError",
+    "build_report",
+    "check_mergeable",
+    "check_pair",
+    "clause_sort_key",
+    "compute_verdict",
+    "describe_startup_failure",
+    "describe_uncovered",
+    "environment_info",
+    "host_labels",
+    "interruption_of",
+    "judge",
+    "left_out",
+    "load_report",
+    "lock_path",
+    "markdown_path",
+    "markdown_run_id",
+    "merged_uncovered",
+    "merged_verdict",
+    "now_iso",
+    "nvidia_smi",
+    "ran_count",
+    "render_markdown",
+    "render_merged_markdown",
+    "render_terminal_matrix",
+    "report_lock",
+    "report_paths",
+    "run_record",
+    "selection_record",
+    "startup_failures",
+    "summarize",
+    "uncovered_entries",
+    "validate_report",
+    "verdict_text",
+    "worst_status",
+    "write_report",
+]
+
+# The schema's key tuples under the names they had when this module held them.
+_ENV_KEYS = ENV_KEYS
+_BACKEND_KEYS = BACKEND_KEYS
+_BACKEND_OPTIONAL_KEYS = BACKEND_OPTIONAL_KEYS
+
+
+def build_report(
+    *,
+    environment: Mapping[str, Any],
+    backends: Iterable[Any],
+    results: Iterable[Mapping[str, Any]],
+    options: Mapping[str, Any],
+    strict: bool,
+    selection: Mapping[str, Any] | None = None,
+    run: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A validated report; results sorted by nodeid so ``-n 2`` and ``-n 0`` agree.
+
+    ``backends`` are :class:`~pytest_kvconform.contract.records.BackendUnderTest` records or
+    dicts with the schema's keys.  ``options`` replaces ``environment["options"]``
+    (the plugin knows its final options only after configuration).  Without a
+    ``selection`` (see :func:`selection_record`) the verdict is at best ``partial``;
+    without a ``run`` (see :func:`run_record`) a fresh run id is made.
+    """
+    env = jsonable(dict(environment))
+    env["options"] = jsonable(dict(sorted(options.items())))
+    rows = sorted((_normalise_result(r) for r in results), key=result_sort_key)
+    run_rec = jsonable(dict(run)) if run is not None else run_record()
+    sel = jsonable(dict(selection)) if selection is not None else None
+    startup = startup_failures(env.get("plugins"))
+    verdict, uncovered = judge(rows, strict, sel, run_rec, startup)
+    report = {
+        "schema": SCHEMA,
+        "contract": CONTRACT_VERSION,
+        "run": run_rec,
+        "environment": env,
+        "selection": sel,
+        "backends": [_backend_record(b) for b in backends],
+        "results": rows,
+        "summary": summarize(rows, strict),
+        "verdict": verdict,
+        "uncovered": uncovered,
+        "startup_failures": startup,
+    }
+    validate_report(report)
+    return report
+
+
+def _normalise_result(result: Mapping[str, Any]) -> dict[str, Any]:
+    row = {k: jsonable(result.get(k)) for k in RESULT_KEYS + RESULT_OPTIONAL_KEYS}
+    if row["duration_s"] is None:
+        row["duration_s"] = 0.0
+    extra = sorted(set(result) - set(row))
+    if extra:  # kept so that validation names the stray key instead of dropping it
+        row.update({k: jsonable(result[k]) for k in extra})
+    return row
+
+
+def _backend_record(backend: Any) -> dict[str, Any]:
+    if isinstance(backend, Mapping):
+        return jsonable(dict(backend))
+    record: dict[str, Any] = backend.record()
+    if record["origin"] is None:  # optional: only plugin-provided backends name one
+        del record["origin"]
+    return record
+
+
+# --------------------------------------------------------------------------- files
+
+
+def markdown_path(path: str | Path) -> Path:
+    """``report.json`` -> ``report.md``: the Markdown rendering lives next to the JSON."""
+    path = Path(path)
+    if path.suffix == ".md":
+        raise ReportError("$", f"{path}: the JSON report path must not end in .md")
+    return path.with_suffix(".md")
+
+
+def report_paths(path: str | Path) -> tuple[Path, Path]:
+    """``(json, markdown)`` for a ``--kv-report`` path.
+
+    ``r.json`` (or any other name) -> ``r.json`` and ``r.md``; a path ending in ``.md``
+    is understood as the Markdown's: ``r.md`` -> ``r.json`` and ``r.md``.
+    """
+    path = Path(path)
+    if path.suffix == ".md":
+        return path.with_suffix(".json"), path
+    return path, markdown_path(path)
+
+
+def write_report(path: str | Path, report: Mapping[str, Any]) -> tuple[Path, Path]:
+    """Validate, then write JSON and Markdown, each via a temp file and ``os.replace``.
+
+    A reader never sees a half-written report, even when a run is interrupted.  Both
+    files are written and renamed under :func:`report_lock`, so two runs writing the
+    same path leave a pair from one run (the Markdown names the JSON's run id; see
+    :func:`check_pair`).  Files get the usual mode (0666 less the umask), not
+    ``mkstemp``'s 0600.
+    """
+    validate_report(report)
+    json_path, md_path = report_paths(path)
+    json_text = json.dumps(report, indent=2, allow_nan=False) + "\n"
+    md_text = render_markdown(report)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    with report_lock(json_path):
+        temps: list[tuple[Path, Path]] = []
+        try:
+            for final, text in ((json_path, json_text), (md_path, md_text)):
+                temps.append((_temp_write(final, text), final))
+            for tmp, final in temps:
+                os.replace(tmp, final)
+        finally:
+            for tmp, _ in temps:
+                tmp.unlink(missing_ok=True)  # gone once renamed
+    return json_path, md_path
+
+
+def lock_path(path: str | Path) -> Path:
+    """The lock file of a report pair: ``dir/.r.json.lock`` next to ``dir/r.json``."""
+    json_path, _ = report_paths(path)
+    return json_path.with_name(f".{json_path.name}.lock")
+
+
+@contextlib.contextmanager
+def report_lock(path: str | Path, *, shared: bool = False) -> Iterator[bool]:
+    """Hold the pair's lock (``flock``): exclusive for a writer, ``shared`` for a reader.
+
+    The lock file is created 0600 (less the umask) and never followed through a
+    symlink; it stays after the write, since removing it would let a later writer lock
+    a fresh file while an earlier one still holds the old.  A reader does not create
+    it: without one (or one it may not open), it reads unlocked and yields False.
+    """
+    flags = os.O_RDONLY if shared else os.O_WRONLY | os.O_CREAT
+    try:
+        fd = os.open(lock_path(path), flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        if not shared:
+            raise
+        fd = -1  # no lock file (or not ours to open): read as before locking existed
+    if fd < 0:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _temp_write(path: Path, text: str) -> Path:
+    """``text`` in a fresh temp file next to ``path``, for ``os.replace``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    # O_EXCL: never follow or reuse someone else's file; 0o666: the umask decides.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+_MD_RUN_RE = re.compile(r"^Contract .*, run `([^`]+)` started ", re.MULTILINE)
+
+
+def markdown_run_id(text: str) -> str | None:
+    """The run id a report's Markdown names (its header line), or None if it names none."""
+    match = _MD_RUN_RE.search(text)
+    return match.group(1) if match else None
+
+
+def check_pair(path: str | Path) -> None:
+    """Refuse a JSON report whose Markdown next to it comes from another run.
+
+    Both are read under the pair's shared lock, so a writer's two renames are never
+    seen half done.  No Markdown is fine (a JSON copied alone, or renamed).
+    """
+    json_path, md_path = report_paths(path)
+    with report_lock(json_path, shared=True):
+        report = load_report(json_path)
+        try:
+            text: str | None = md_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            text = None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ReportError("$.run.id", f"{md_path}: cannot read: {exc}") from exc
+    run = report.get("run")
+    run_id = run.get("id") if isinstance(run, dict) else None
+    if text is None:
+        return
+    named = markdown_run_id(text)
+    if named != run_id:
+        theirs = f"run {named!r}" if named else "no run id"
+        raise ReportError("$.run.id", f"{md_path} names {theirs} but {json_path} is run "
+                          f"{run_id!r}: the pair is from different runs (write both again)")
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    """Read a JSON report (not yet validated, but no deeper than a report nests: see
+    :func:`expect_shallow`); problems raise :class:`ReportError` naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ReportError("$", f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ReportError("$", f"{path}: not UTF-8 text") from exc
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReportError("$", f"{path}: not JSON: {exc}") from exc
+    except RecursionError as exc:  # the parser recurses per level: [[[[...]]]]
+        raise ReportError("$", f"{path}: not a report: JSON nested too deeply to "
+                          "read") from exc
+    if not isinstance(obj, dict):
+        raise ReportError("$", f"{path}: expected a JSON object, got {type(obj).__name__}")
+    try:
+        expect_shallow(obj)
+    except ReportError as exc:
+        raise ReportError(exc.path, f"{path}: {exc.message}") from exc
+    return obj

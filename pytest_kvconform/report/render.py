@@ -1,0 +1,325 @@
+"""The report's renderings: the terminal matrix and the Markdown of one report.
+
+Rendering only reads a built report (or result rows); it decides nothing, so the
+verdict and its explanation come from :mod:`pytest_kvconform.report.verdict`.  The
+table and footnote helpers are shared with the merged matrix
+(:mod:`pytest_kvconform.report.merge`).  Stdlib only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from pytest_kvconform.contract.clauses import clause_sort_key
+from pytest_kvconform.report.verdict import (
+    STATUSES,
+    describe_startup_failure,
+    describe_uncovered,
+    interruption_of,
+    left_out,
+)
+
+UPSTREAM_ROW = "(upstream)"
+
+# Worst first: the status a matrix cell shows when it aggregates several tests.
+_SEVERITY = ("failed", "error", "xpassed", "skipped", "xfailed", "passed")
+_CELL_WORD = {
+    "passed": "pass",
+    "failed": "fail",
+    "skipped": "skip",
+    "xfailed": "xfail",
+    "xpassed": "xpass",
+    "error": "error",
+}
+_CELL_CHAR = {
+    "passed": ".",
+    "failed": "F",
+    "skipped": "s",
+    "xfailed": "x",
+    "xpassed": "X",
+    "error": "E",
+}
+
+
+def row_name(result: Mapping[str, Any]) -> str:
+    """The matrix row a result sits in: its backend, or the upstream row."""
+    return result.get("backend") or UPSTREAM_ROW
+
+
+def _backend_names(backends: Iterable[Any]) -> list[str]:
+    names = []
+    for b in backends:
+        if isinstance(b, str):
+            names.append(b)
+        elif isinstance(b, Mapping):
+            names.append(b["name"])
+        else:
+            names.append(b.name)
+    return names
+
+
+def matrix_rows(results: Sequence[Mapping[str, Any]], backends: Iterable[Any]) -> list[str]:
+    """Discovered backends in discovery order, then backends only seen in results, then upstream."""
+    rows = list(dict.fromkeys(_backend_names(backends)))
+    seen = {row_name(r) for r in results}
+    rows += sorted(seen - set(rows) - {UPSTREAM_ROW})
+    if UPSTREAM_ROW in seen:
+        rows.append(UPSTREAM_ROW)
+    return rows
+
+
+def clause_columns(results: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The matrix columns: the clauses with results, in clause order."""
+    return sorted({r["clause"] for r in results}, key=clause_sort_key)
+
+
+def worst_status(statuses: Iterable[str]) -> str:
+    """The status a cell aggregating these shows (failed > error > xpassed > skipped > ...)."""
+    return min(statuses, key=_SEVERITY.index)
+
+
+def render_terminal_matrix(
+    results: Iterable[Mapping[str, Any]], backends: Iterable[Any]
+) -> list[str]:
+    """Compact backend x clause matrix for the terminal summary, plus a legend line."""
+    results = list(results)
+    if not results:
+        return ["kvconform: no clause results"]
+    rows = matrix_rows(results, backends)
+    columns = clause_columns(results)
+    headers = [c.removeprefix("KV-") for c in columns]
+    cells: dict[tuple[str, str], list[str]] = {}
+    for r in results:
+        cells.setdefault((row_name(r), r["clause"]), []).append(r["status"])
+    width = max(len("backend"), *(len(row) for row in rows))
+    lines = [" ".join(["backend".ljust(width), *headers]).rstrip()]
+    for row in rows:
+        marks = []
+        for clause, header in zip(columns, headers, strict=True):
+            statuses = cells.get((row, clause))
+            mark = _CELL_CHAR[worst_status(statuses)] if statuses else " "
+            marks.append(mark.center(len(header)))
+        lines.append(" ".join([row.ljust(width), *marks]).rstrip())
+    legend = "  ".join(f"{_CELL_CHAR[s]} {_CELL_WORD[s]}" for s in STATUSES)
+    lines.append(f"legend: {legend}  (blank) not run")
+    return lines
+
+
+class Footnotes:
+    """Numbered footnotes, one per distinct (status, reason), shared across cells."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[tuple[str, str], int] = {}
+
+    def ref(self, status: str, reason: str, error_kind: str | None = None,
+            seeded_fault: str | None = None) -> str:
+        word = _CELL_WORD[status] + (f" ({error_kind})" if error_kind else "")
+        if seeded_fault:
+            word += f" (under the seeded worker fault {seeded_fault})"
+        key = (word, " ".join(reason.split()))
+        number = self._numbers.setdefault(key, len(self._numbers) + 1)
+        return f"[^{number}]"
+
+    def lines(self) -> list[str]:
+        return [f"[^{n}]: {word}: {reason}" for (word, reason), n in self._numbers.items()]
+
+
+def _cell(results: Sequence[Mapping[str, Any]], notes: Footnotes) -> str:
+    if not results:
+        return ""
+    worst = worst_status(r["status"] for r in results)
+    count = sum(1 for r in results if r["status"] == worst)
+    refs = dict.fromkeys(
+        notes.ref(r["status"], r["reason"], r.get("error_kind"), r.get("seeded_fault"))
+        for r in results
+        if (r["status"] != "passed" and (r.get("reason") or r.get("error_kind")))
+        or r.get("seeded_fault")
+    )
+    return f"{_CELL_WORD[worst]} {count}/{len(results)}" + "".join(refs)
+
+
+def md_escape(text: Any) -> str:
+    """Text safe in a Markdown table cell or list item: pipes escaped, one line."""
+    return "" if text is None else str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A Markdown table; a ``|`` or a newline in a cell is escaped."""
+    lines = ["| " + " | ".join(md_escape(h) for h in header) + " |"]
+    lines.append("|" + "|".join("---" for _ in header) + "|")
+    lines += ["| " + " | ".join(md_escape(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def matrix_lines(
+    labelled: Sequence[tuple[tuple[str, ...], Sequence[Mapping[str, Any]]]],
+    key_header: Sequence[str],
+    columns: Sequence[str],
+    notes: Footnotes,
+) -> list[str]:
+    """A matrix table: one row per key, one cell per clause column (see :func:`_cell`)."""
+    rows = []
+    for key, results in labelled:
+        by_clause: dict[str, list[Mapping[str, Any]]] = {}
+        for r in results:
+            by_clause.setdefault(r["clause"], []).append(r)
+        rows.append([*key, *(_cell(by_clause.get(c, []), notes) for c in columns)])
+    return markdown_table([*key_header, *columns], rows)
+
+
+def _format_bytes(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def device_text(device: Mapping[str, Any]) -> str:
+    """One device of ``environment.devices`` in words."""
+    parts = [device["name"], _format_bytes(device["memory_bytes"])]
+    if device.get("driver"):
+        parts.append(f"driver {device['driver']}")
+    if device.get("cuda"):
+        parts.append(f"CUDA {device['cuda']}")
+    return ", ".join(parts)
+
+
+def _verdict_line(report: Mapping[str, Any]) -> str:
+    mode = "strict" if report["summary"]["strict"] else "non-strict"
+    return f"**Verdict: {report['verdict']}** ({mode})"
+
+
+def _completeness_lines(report: Mapping[str, Any]) -> list[str]:
+    """Why a verdict is not qualified for all the results say, partial or interrupted, and
+    the harness errors, as Markdown lines."""
+    lines = []
+    interruption = interruption_of(report["run"], report["selection"], report["results"])
+    if interruption:
+        lines += ["", f"Interrupted: {interruption}."]
+    startup = report["startup_failures"]
+    if startup:
+        lines += ["", "Production would not start: vLLM's and vllm-omni's plugin loaders call "
+                  "each general plugin's hook unguarded, so a process with these installed "
+                  "fails at start-up (the run checked the deployment without them):", ""]
+        lines += [f"- {md_escape(describe_startup_failure(f))}" for f in startup]
+    faulted = [r for r in report["results"] if r.get("seeded_fault")]
+    faults = report["environment"].get("seeded_faults")
+    if faults:
+        lines += ["", f"Seeded worker fault {', '.join(f'`{f}`' for f in faults)} "
+                  f"(`$KVCONFORM_WORKER_FAULT`) was active: {len(faulted)} result(s) drove KV-A "
+                  "workers under it (marked in the matrix's footnotes); they speak for the "
+                  "fault, not the backend, and qualify nothing."]
+    missing = left_out(report["selection"])
+    if missing:
+        lines += ["", "Left out of the matrix: " + "; ".join(missing) + "."]
+    kinds: dict[str, int] = {}
+    for r in report["results"]:
+        if r["status"] == "error":
+            kind = r.get("error_kind") or "harness"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    if kinds:
+        counts = ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
+        lines += ["", f"Harness errors (E; the harness failed, not the backend): {counts}."]
+    return lines
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    """Matrix (with footnoted reasons), environment, backends and verdict of one report."""
+    env = report["environment"]
+    results = report["results"]
+    notes = Footnotes()
+    grouped: dict[str, list[Mapping[str, Any]]] = {}
+    for r in results:
+        grouped.setdefault(row_name(r), []).append(r)
+    rows = matrix_rows(results, report["backends"])
+    labelled = [((row,), grouped.get(row, [])) for row in rows]
+    lines = [
+        "# pytest-kvconform qualification report",
+        "",
+        _verdict_line(report),
+        "",
+        f"Contract {report['contract']}, schema `{report['schema']}`, host `{env['host']}`, "
+        f"run `{report['run']['id']}` started {report['run']['started']}.",
+        "",
+        "## Matrix",
+        "",
+    ]
+    if results:
+        lines += matrix_lines(labelled, ["backend"], clause_columns(results), notes)
+    else:
+        lines.append("No clause results.")
+    lines += ["", "## Verdict", "", _verdict_line(report), ""]
+    counts = report["summary"]["by_status"]
+    lines.append(", ".join(f"{counts[s]} {s}" for s in STATUSES) + f" of {len(results)}.")
+    lines += _completeness_lines(report)
+    if report["uncovered"]:
+        lines += ["", "Unchecked by this run (skipped, whether forgiven or declared; not "
+                  "applicable skips aside):", ""]
+        lines += [f"- {md_escape(describe_uncovered(e))}" for e in report["uncovered"]]
+    if report["summary"]["blocking"]:
+        lines += ["", "Blocking results:", ""]
+        lines += [f"- `{nodeid}`" for nodeid in report["summary"]["blocking"]]
+    lines += ["", "## Environment", ""]
+    env_rows: list[tuple[str, Any]] = [
+        (key, env[key] if env[key] is not None else "not installed")
+        for key in ("python", "torch", "vllm", "vllm_omni")
+    ]
+    env_rows += [("platform", env["platform"]), ("host", env["host"]), ("seed", env["seed"])]
+    if env.get("seeded_faults"):
+        env_rows.append(("seeded worker fault", f"{', '.join(env['seeded_faults'])} "
+                                                "($KVCONFORM_WORKER_FAULT)"))
+    env_rows += [(f"device {i}", device_text(d)) for i, d in enumerate(env["devices"])]
+    env_rows += [("options", json.dumps(env["options"], sort_keys=True))]
+    lines += markdown_table(["key", "value"], env_rows)
+    lines += _import_log_lines(env.get("import_log"))
+    if report["backends"]:
+        lines += ["", "## Backends", ""]
+        lines += markdown_table(
+            ["backend", "source", "path", "overridden", "importable", "reason"],
+            [
+                [b["name"], b["source"], b["path"], b["overridden"], b["importable"], b["reason"]]
+                for b in report["backends"]
+            ],
+        )
+    lines += _plugin_lines(env.get("plugins"), report["backends"])
+    footnotes = notes.lines()
+    if footnotes:
+        lines += ["", *footnotes]
+    return "\n".join(lines) + "\n"
+
+
+def _import_log_lines(messages: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    """The Markdown's account of what importing the serving stack printed (kept out of the
+    terminal's header): every message, verbatim."""
+    if not messages:
+        return []
+    fence = "````"  # longer than any fence a message could hold, in practice
+    lines = ["", "### Output of the serving stack's imports", "",
+             f"{len(messages)} message{'s' if len(messages) != 1 else ''} printed while "
+             f"vLLM / vllm-omni were imported for discovery: the installed stack's own, not "
+             f"findings of this run.", "", fence + "text"]
+    for message in messages:
+        lines += str(message["text"]).splitlines()
+    return [*lines, fence]
+
+
+def _plugin_lines(plugins: Mapping[str, Any] | None,
+                  backends: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The Markdown's plugin section: mode, platform, each plugin's outcome, who put
+    each backend's class there."""
+    if not plugins:
+        return []
+    env = plugins.get("vllm_plugins")
+    lines = ["", "## Plugins", "",
+             f"Mode `{plugins.get('mode')}` (`VLLM_PLUGINS` "
+             f"{'unset' if env is None else repr(env)}); Omni platform "
+             f"`{plugins.get('platform')}` ({plugins.get('platform_source') or '-'}).", ""]
+    lines += markdown_table(["group", "plugin", "distribution", "status", "re-pointed", "error"],
+                    [[p["group"], p["name"], p["dist"], p["status"],
+                      ", ".join(p["changed"]) or "-", p["error"]]
+                     for p in plugins.get("plugins", [])])
+    lines += [f"- note: {md_escape(note)}" for note in plugins.get("notes", [])]
+    origins = [[b["name"], b["path"], b["overridden"], b["origin"]] for b in backends
+               if b.get("origin")]
+    if origins:
+        lines += ["", *markdown_table(["backend", "path", "overridden", "origin"], origins)]
+    return lines

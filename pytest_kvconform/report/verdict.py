@@ -1,0 +1,321 @@
+"""The verdict: which results block qualification, and whether the run covered the matrix.
+
+Kept apart from the schema and the renderings so the strict rule is read in one place:
+the session prints it, :func:`~pytest_kvconform.report.build.build_report` records it,
+validation recomputes it, and the Markdown explains it.  Stdlib only.
+
+Results alone (:func:`compute_verdict`):
+
+* non-strict: qualified iff at least one result ran and none failed or errored
+  (an xpass or a skip does not disqualify);
+* strict (``--kv-strict``): additionally every xpass disqualifies, and every
+  skip unless the clause table forgives its kind for its clause
+  (:func:`pytest_kvconform.contract.clauses.skip_forgiven`) or an xfails entry declares it
+  (``xfail`` on the result).
+
+The report's verdict (:func:`judge`) also needs the whole matrix to have run: the
+``selection`` record (``-k``, ``-m``, narrowed paths, backends left out by
+``--kv-backend``, suite tests collected / selected / deselected) and the ``run``
+record (``interruption``).  A run that was interrupted, or in which a selected
+test has no result, is ``interrupted``; a run that left any part of the matrix
+out is ``partial``; a failure or error makes it ``not qualified`` (interrupted
+still wins: nothing about an unfinished run is certified).
+
+What a run left unchecked is listed as ``uncovered`` in both modes
+(:func:`uncovered_entries`): a backend whose whole row was skipped (one that does not
+import), and each clause skipped for any reason but "not applicable" (missing
+hardware, a skip the xfails file declares, a missing package), each with its kind,
+the xfails entry that declared it, and its reason.  A qualified verdict thus never
+hides what it did not check.
+
+A deployment that production could not start is ``not qualified`` whatever the
+results (:func:`startup_failures`): a general plugin whose hook raises stops every
+production process at start-up, since vLLM's and vllm-omni's loaders call the hooks
+unguarded.  A result produced under a seeded worker fault (``seeded_fault``) blocks
+too: it speaks for the fault, not for the backend.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from pytest_kvconform.contract import clauses
+from pytest_kvconform.contract.clauses import clause_sort_key, skip_forgiven
+
+STATUSES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
+VERDICTS = ("qualified", "not qualified", "partial", "interrupted")
+
+# Every kind some clause forgives (the table says which clause forgives which).
+FORGIVEN_SKIP_KINDS = tuple(sorted(k.value for k in clauses.FORGIVEN_SKIP_KINDS))
+
+
+def _blocks(result: Mapping[str, Any], strict: bool) -> bool:
+    status = result.get("status")
+    if status in ("failed", "error") or result.get("seeded_fault"):
+        return True
+    if not strict:
+        return False
+    if status == "xpassed":
+        return True
+    # Forgiven in strict mode: a skip the clause table forgives for its clause
+    # (missing hardware, a clause that does not apply), and a skip the
+    # expected-failures file declares (``xfail``).
+    return (status == "skipped"
+            and not skip_forgiven(str(result.get("clause")), result.get("skip_kind"))
+            and not result.get("xfail"))
+
+
+def compute_verdict(
+    results: Iterable[Mapping[str, Any]], strict: bool
+) -> tuple[str, list[dict[str, Any]]]:
+    """``("qualified" | "not qualified", uncovered entries)``; see the module docstring.
+
+    An empty run is never qualified: nothing was checked.
+    """
+    results = list(results)
+    qualified = bool(results) and not any(_blocks(r, strict) for r in results)
+    return ("qualified" if qualified else "not qualified"), uncovered_entries(results)
+
+
+# The keys of one ``uncovered`` entry, in the order they are written.
+UNCOVERED_KEYS = ("scope", "backend", "clauses", "kind", "declared", "reason", "results")
+UNCOVERED_SCOPES = ("backend", "clause")
+_CLAUSE_PREFIX = re.compile(r"^KV-[A-Z]+\d+: ")
+
+
+def _unchecked(result: Mapping[str, Any]) -> bool:
+    """A skip that leaves something unchecked: any kind but "not applicable" (which
+    has nothing to check)."""
+    return result.get("status") == "skipped" and result.get("skip_kind") != "not-applicable"
+
+
+def uncovered_entries(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What the results left unchecked, one entry per backend row or clause.
+
+    A backend whose every result is a skip is one entry of scope ``backend`` (its
+    whole row is unchecked: typically it does not import); every other unchecked
+    skip is grouped by clause, kind and the xfails entry that declared it (scope
+    ``clause``; ``backend`` names the row when all its results are of one row).
+    ``declared`` lists the xfails entries that declared its skips (empty: forgiven by
+    the clause table, or not forgiven at all).  Backend entries come first, by name;
+    then clauses in contract order.
+    """
+    results = list(results)
+    rows: dict[str, list[Mapping[str, Any]]] = {}
+    for r in results:
+        if r.get("backend"):
+            rows.setdefault(str(r["backend"]), []).append(r)
+    whole = sorted(name for name, rs in rows.items()
+                   if all(r.get("status") == "skipped" for r in rs)
+                   and any(_unchecked(r) for r in rs))
+    entries = [_uncovered_entry("backend", [r for r in rows[name] if _unchecked(r)])
+               for name in whole]
+    groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = {}
+    for r in results:
+        if _unchecked(r) and r.get("backend") not in whole:
+            key = (str(r["clause"]), str(r.get("skip_kind") or ""), str(r.get("xfail") or ""))
+            groups.setdefault(key, []).append(r)
+    for key in sorted(groups, key=lambda k: (clause_sort_key(k[0]), k[1], k[2])):
+        entries.append(_uncovered_entry("clause", groups[key]))
+    return entries
+
+
+def _uncovered_entry(scope: str, results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    backends = {r.get("backend") for r in results}
+    kinds = Counter(r.get("skip_kind") for r in results)
+    declared = sorted({str(r["xfail"]) for r in results if r.get("xfail")})
+    reasons = Counter(_CLAUSE_PREFIX.sub("", str(r.get("reason") or "")).strip() or
+                      "(no reason given)" for r in results)
+    reason, _ = reasons.most_common(1)[0]
+    if len(reasons) > 1:
+        reason += f" (and {len(reasons) - 1} other reason{'s' if len(reasons) > 2 else ''})"
+    return {
+        "scope": scope,
+        "backend": next(iter(backends)) if len(backends) == 1 else None,
+        "clauses": sorted({str(r["clause"]) for r in results}, key=clause_sort_key),
+        "kind": kinds.most_common(1)[0][0],
+        "declared": declared,
+        "reason": reason,
+        "results": len(results),
+    }
+
+
+def describe_uncovered(entry: Mapping[str, Any]) -> str:
+    """One entry in words: ``SAGE_ATTN_3, every clause (42 results; backend skip, declared:
+    ...)`` or ``KV-L7 for FLASH_ATTN (1 result; hardware skip: needs CUDA)``."""
+    n = entry["results"]
+    how = f"{entry['kind'] or 'unclassified'} skip" + (", declared" if entry["declared"] else "")
+    counted = f"{n} result{'s' if n != 1 else ''}"
+    if entry["scope"] == "backend":
+        return f"{entry['backend']}, every clause ({counted}; {how}: {entry['reason']})"
+    where = ", ".join(entry["clauses"]) + (f" for {entry['backend']}" if entry["backend"] else "")
+    return f"{where} ({counted}; {how}: {entry['reason']})"
+
+
+# The keys of one ``startup_failures`` entry, in the order they are written.
+STARTUP_FAILURE_KEYS = ("plugin", "group", "distribution", "error")
+
+
+def startup_failures(plugins: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The general plugins whose hook raised (``environment.plugins``), as the report's
+    ``startup_failures``: production's loaders call each hook unguarded, so a process
+    with such a plugin installed fails at start-up.  A plugin that fails to *import*
+    is not one: production logs it and goes on without it."""
+    if not plugins:
+        return []
+    return [{"plugin": p.get("name"), "group": p.get("group"), "distribution": p.get("dist"),
+             "error": p.get("error")}
+            for p in plugins.get("plugins", []) if p.get("status") == "hook-failed"]
+
+
+def describe_startup_failure(failure: Mapping[str, Any]) -> str:
+    return (f"plugin {failure['plugin']} ({failure['group']}, "
+            f"{failure['distribution'] or 'no distribution'}) hook raised {failure['error']}")
+
+
+def summarize(results: Sequence[Mapping[str, Any]], strict: bool) -> dict[str, Any]:
+    """Counts per status and per clause, plus the nodeids that block qualification."""
+    by_status = dict.fromkeys(STATUSES, 0)
+    by_clause: dict[str, dict[str, int]] = {}
+    for r in results:
+        by_status[r["status"]] += 1
+        by_clause.setdefault(r["clause"], dict.fromkeys(STATUSES, 0))[r["status"]] += 1
+    return {
+        "strict": strict,
+        "total": len(results),
+        "by_status": by_status,
+        "by_clause": {c: by_clause[c] for c in sorted(by_clause, key=clause_sort_key)},
+        "blocking": [r["nodeid"] for r in results if _blocks(r, strict)],
+    }
+
+
+def run_record(
+    *, run_id: str | None = None, started: str | None = None, duration_s: float = 0.0,
+    interruption: str | None = None,
+) -> dict[str, Any]:
+    """Identity and end of one run: ``merge`` tells two runs on one host apart by ``id``."""
+    return {
+        "id": run_id or uuid.uuid4().hex,
+        "started": started or now_iso(),
+        "duration_s": round(float(duration_s), 3),
+        "interruption": interruption,
+    }
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def selection_record(
+    *, keyword: str | None = None, markexpr: str | None = None, paths: Iterable[str] = (),
+    backends: Iterable[str] = (), excluded_backends: Iterable[str] = (),
+    collected: int | None = None, selected: int | None = None,
+) -> dict[str, Any]:
+    """What part of the matrix a run selected; ``collected`` counts suite tests before
+    ``-k`` / ``-m`` / ``--deselect``, ``selected`` after (None: not known)."""
+    deselected = None if collected is None or selected is None else collected - selected
+    return {
+        "keyword": keyword or None,
+        "markexpr": markexpr or None,
+        "paths": [str(p) for p in paths],
+        "backends": list(backends),
+        "excluded_backends": sorted(excluded_backends),
+        "collected": collected,
+        "selected": selected,
+        "deselected": deselected,
+    }
+
+
+def ran_count(results: Iterable[Mapping[str, Any]]) -> int:
+    """Suite tests with at least one result (a test may have a call and a teardown row)."""
+    return len({r["nodeid"] for r in results})
+
+
+def left_out(selection: Mapping[str, Any] | None) -> list[str]:
+    """What the selection left out of the full matrix, one phrase each; empty when complete."""
+    if selection is None:
+        return ["the selection was not recorded"]
+    notes = []
+    collected, deselected = selection["collected"], selection["deselected"]
+    filters = [f"-k {selection['keyword']!r}" if selection["keyword"] else "",
+               f"-m {selection['markexpr']!r}" if selection["markexpr"] else ""]
+    how = " and ".join(f for f in filters if f) or "deselection (--deselect, --lf or a plugin)"
+    if collected is None or selection["selected"] is None:
+        notes.append("the number of suite tests collected was not reported")
+    elif deselected:
+        notes.append(f"{how} deselected {deselected} of {collected} suite tests")
+    elif selection["keyword"] or selection["markexpr"]:
+        notes.append(f"{how} given (deselected none, but the selection is filtered)")
+    if selection["paths"]:
+        notes.append("collection narrowed to " + ", ".join(selection["paths"]))
+    excluded = selection["excluded_backends"]
+    if excluded:
+        notes.append(f"--kv-backend left out {len(excluded)} backend(s): {', '.join(excluded)}")
+    return notes
+
+
+def interruption_of(run: Mapping[str, Any], selection: Mapping[str, Any] | None,
+                    results: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why the run did not finish: recorded, or selected tests without a result."""
+    if run.get("interruption"):
+        return str(run["interruption"])
+    selected = selection.get("selected") if selection is not None else None
+    if selected is not None:
+        ran = ran_count(results)
+        if ran < selected:
+            return f"{selected - ran} of {selected} selected suite tests did not run"
+    return None
+
+
+def judge(
+    results: Sequence[Mapping[str, Any]], strict: bool, selection: Mapping[str, Any] | None,
+    run: Mapping[str, Any], startup: Sequence[Mapping[str, Any]] = (),
+) -> tuple[str, list[dict[str, Any]]]:
+    """The report's verdict and uncovered entries: results, start-up, completeness,
+    interruption.
+
+    ``interrupted`` > ``not qualified`` > ``partial`` > ``qualified``; ``startup``
+    (:func:`startup_failures`) makes any finished run ``not qualified``.
+    """
+    verdict, uncovered = compute_verdict(results, strict)
+    if interruption_of(run, selection, results):
+        verdict = "interrupted"
+    elif startup:
+        verdict = "not qualified"
+    elif verdict == "qualified" and left_out(selection):
+        verdict = "partial"
+    return verdict, uncovered
+
+
+def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
+                 selection: Mapping[str, Any] | None, run: Mapping[str, Any],
+                 results: Sequence[Mapping[str, Any]],
+                 startup: Sequence[Mapping[str, Any]] = ()) -> str:
+    """One line: the verdict and what it rests on (what production could not start, what
+    was left out or unchecked, why it stopped)."""
+    notes = []
+    if verdict == "interrupted":
+        notes.append(f"interrupted: {interruption_of(run, selection, results)}")
+    if startup:
+        notes.append("production would not start: " +
+                     "; ".join(describe_startup_failure(f) for f in startup))
+    missing = left_out(selection)
+    if missing and verdict != "qualified":
+        notes.append("left out: " + "; ".join(missing))
+    if uncovered:
+        notes.append("unchecked: " + "; ".join(describe_uncovered(e) for e in uncovered))
+    faulted = [r for r in results if r.get("seeded_fault")]
+    if faulted:
+        names = ", ".join(sorted({str(r["seeded_fault"]) for r in faulted}))
+        notes.append(f"seeded worker fault {names} in {len(faulted)} result(s), which speak "
+                     "for the fault, not the backend")
+    errors = sorted({r.get("error_kind") or "harness" for r in results
+                     if r.get("status") == "error"})
+    if errors:
+        notes.append(f"harness errors ({', '.join(errors)}), not blamed on any backend")
+    return verdict + (f" ({'; '.join(notes)})" if notes else "")

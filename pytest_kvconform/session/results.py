@@ -1,0 +1,389 @@
+"""The results of one ``--kv-conformance`` run: rows, verdict, summary and report.
+
+Registered as a plugin by :class:`~pytest_kvconform.session.run.KvSession`.  Each suite
+test's reports become typed :class:`~pytest_kvconform.contract.records.ResultRow` rows (a
+harness fault classified on the way, so no xfail entry absorbs it uninvited; a test
+whose xdist worker died becomes a ``worker-died`` error; a test that drove its KV-A
+workers under a seeded fault says so); at the end of the run they are judged against
+the selection and, as mappings, handed to ``report/build.py`` for the terminal matrix, the
+verdict and the report files.  A run interrupted before its session started (Ctrl-C
+while plugins and vllm-omni load) is judged there and then: pytest calls no
+``pytest_sessionfinish`` for it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections.abc import Generator, Iterable, Sequence
+from typing import Any
+
+import pytest
+
+from pytest_kvconform.adapters import run_env
+from pytest_kvconform.contract.clauses import clause_from_test_name
+from pytest_kvconform.contract.outcome_rule import ERROR_KIND_PROPERTY, harness_kind
+from pytest_kvconform.contract.outcomes import ClauseFailure, ErrorKind, bracketed
+from pytest_kvconform.contract.records import (
+    SEEDED_FAULT_PROPERTY,
+    SKIP_KIND_PROPERTY,
+    VIA_PROPERTY,
+    ResultRow,
+)
+from pytest_kvconform.session.options import Options
+from pytest_kvconform.session.selection import XFAIL_PROPERTY, KvSelection
+
+# How pytest prefixes a ClauseFailure's message in a crash line.
+_FAILURE_PREFIX = f"{ClauseFailure.__module__}.{ClauseFailure.__qualname__}: "
+
+
+class KvResults:
+    """Result rows as the suite runs, then the verdict and the report (controller only)."""
+
+    report_wanted = False  # `kvconform run` sets it: build the report even without a path
+    built_report: dict[str, Any] | None = None
+
+    def __init__(self, config: pytest.Config, options: Options,
+                 selection: KvSelection) -> None:
+        from pytest_kvconform.report.build import now_iso
+
+        self.config = config
+        self.options = options
+        self.selection = selection
+        self.rows: list[ResultRow] = []
+        self.run_id = uuid.uuid4().hex
+        self.started = time.monotonic()
+        self.started_iso = now_iso()
+        self.interruption: str | None = None
+        self.verdict_line = ""
+        self.report_error: str | None = None
+        self.report_line = ""
+        # pytest_sessionstart finished, so pytest_sessionfinish will come; until then an
+        # interrupt is judged in pytest_keyboard_interrupt.
+        self.session_started = False
+        self.concluded = False
+        self._faults_before: dict[str, int] | None = None  # workers.faulted_commands()
+        # xdist controller: each suite test's properties, from the first report of it
+        # (a crashed worker's test gets no report of its own with them).
+        self._properties: dict[str, list[tuple[str, Any]]] = {}
+
+    def row_dicts(self) -> list[dict[str, Any]]:
+        """The rows as ``report/build.py`` takes them (it also reads reports from files)."""
+        return [row.as_dict() for row in self.rows]
+
+    # -- during the run ---------------------------------------------------------
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> Generator[None, None, None]:
+        yield  # raises when a hook was interrupted (or failed): then no sessionfinish comes
+        self.session_started = True
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        from pytest_kvconform.workers import pool as workers
+
+        self._faults_before = workers.faulted_commands()
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: after skipping.py's xfail
+    def pytest_runtest_makereport(self, item: pytest.Item,
+                                  call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+        """A harness fault carries its kind, and no xfail entry absorbs it uninvited; a
+        test that drove its KV-A workers under a seeded fault names it."""
+        report = yield
+        if not any(k == "kv_clause" for k, _ in item.user_properties):
+            return report
+        self._mark_seeded_fault(item, report)
+        if call.excinfo is None:
+            return report
+        if call.when == "call":
+            # Anything in the test body, not only the check run_check wraps: a worker
+            # that cannot start for the test is the harness too.
+            kind = dict(report.user_properties).get(ERROR_KIND_PROPERTY)
+            if kind is None and (found := harness_kind(call.excinfo.value)) is not None:
+                kind = found.value
+                # On the item too: the teardown report (JUnit XML's properties) copies it.
+                item.user_properties.append((ERROR_KIND_PROPERTY, kind))
+                report.user_properties.append((ERROR_KIND_PROPERTY, kind))
+        else:  # a fixture of the suite's failed: always the harness, never the backend
+            kind = (harness_kind(call.excinfo.value) or ErrorKind.HARNESS).value
+            report.user_properties = [(k, v) for k, v in report.user_properties
+                                      if k != ERROR_KIND_PROPERTY]
+            if not report.skipped or getattr(report, "wasxfail", None) is not None:
+                report.user_properties.append((ERROR_KIND_PROPERTY, kind))
+            else:
+                kind = None  # a skip raised by a fixture is a skip
+        if kind is not None and getattr(report, "wasxfail", None) is not None:
+            entry = self.selection.xfail_entry(dict(report.user_properties).get(XFAIL_PROPERTY))
+            if entry is None or not entry.absorbs_error(kind):
+                report.outcome = "failed"
+                del report.wasxfail
+        return report
+
+    def _mark_seeded_fault(self, item: pytest.Item, report: pytest.TestReport) -> None:
+        """Commands went to the KV-A workers under a seeded fault during this test: its
+        reports (this one, and through the item the ones after it) name the fault."""
+        from pytest_kvconform.workers import pool as workers
+
+        if self._faults_before is None:
+            return
+        faults = workers.faults_since(self._faults_before)
+        if not faults or any(k == SEEDED_FAULT_PROPERTY for k, _ in item.user_properties):
+            return
+        item.user_properties.append((SEEDED_FAULT_PROPERTY, faults[-1]))
+        if not any(k == SEEDED_FAULT_PROPERTY for k, _ in report.user_properties):
+            report.user_properties.append((SEEDED_FAULT_PROPERTY, faults[-1]))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "teardown":  # finished: a crash from now on is another test's
+            self._properties.pop(report.nodeid, None)
+        elif report.nodeid not in self._properties and any(
+                k == "kv_clause" for k, _ in report.user_properties):
+            self._properties[report.nodeid] = list(report.user_properties)
+        row = result_row(report)
+        if row is not None:
+            self.rows.append(row)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_handlecrashitem(self, crashitem: str, report: pytest.TestReport,
+                               sched: Any) -> None:
+        """xdist: the worker running ``crashitem`` died (SIGKILL, a segfault, an exit).
+
+        xdist reports the test as failed with no properties; it becomes an ``error`` row
+        of kind ``worker-died`` naming the test, as a dead KV-A worker's test is.
+        """
+        props = self._properties.get(crashitem) or self._guess_properties(crashitem)
+        if props is None:
+            return
+        props = [(k, v) for k, v in props if k != ERROR_KIND_PROPERTY]
+        props.append((ERROR_KIND_PROPERTY, ErrorKind.WORKER_DIED.value))
+        report.user_properties = props
+        values = dict(props)
+        where = bracketed(backend=values.get("kv_backend"), case=values.get("kv_case"),
+                          layout=values.get("kv_layout"))
+        report.longrepr = (f"{values['kv_clause']}{where}: harness error (worker-died): "
+                           f"{report.longrepr}: the xdist worker process died (a signal such "
+                           "as SIGKILL from the kernel's OOM killer, a crash, or an exit); "
+                           "xdist replaces it and the run goes on")
+
+    def _guess_properties(self, nodeid: str) -> list[tuple[str, Any]] | None:
+        """A crashed test's properties when no report of it arrived (its worker died in
+        set-up): guessed from its id with the backends, layouts and cases this run knows."""
+        from pytest_kvconform.adapters import compat
+
+        backends = set(self.selection.all_backend_names) | {
+            str(r.backend) for r in self.rows if r.backend is not None}
+        return properties_from_id(nodeid, backends=backends, layouts=compat.LAYOUT_NAMES,
+                                  cases=[c.id for c in self.selection.cases],
+                                  device=self.selection.device)
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        self.interruption = str(excinfo.value).strip() or excinfo.typename
+        if not self.session_started:  # no pytest_sessionfinish will come: judge now
+            self.interruption = (f"{excinfo.typename} during start-up, before any test was "
+                                 "collected")
+            self.conclude_interrupted_start()
+
+    def conclude_interrupted_start(self) -> None:
+        """Ctrl-C while the run was starting (configure, plugins, discovery): the verdict
+        line and, with ``--kv-report``, the report, as a finished run gets them."""
+        if self.concluded or getattr(self.config, "workerinput", None) is not None:
+            return
+        self._conclude(pytest.ExitCode.INTERRUPTED)
+        lines = [f"kvconform: verdict: {self.verdict_line}", self.report_line]
+        if self.report_error:
+            lines.append(f"kvconform: ERROR: {self.report_error}")
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        for line in filter(None, lines):
+            if tr is not None:
+                tr.write_line(line)
+            else:  # interrupted before the terminal reporter was configured
+                print(line, file=sys.stdout, flush=True)
+
+    # -- at the end -------------------------------------------------------------
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        from pytest_kvconform.report import build as report_mod
+
+        if getattr(self.config, "workerinput", None) is not None:
+            return
+        tr = terminalreporter
+        if self.selection.usage_error:  # an xdist worker's; pytest prints its own like this
+            tr.write_line(f"ERROR: {self.selection.usage_error}", red=True, bold=True)
+            return
+        tr.section("kvconform: backend x clause")
+        for line in self.selection.discovery_lines():
+            tr.write_line(line)
+        for line in report_mod.render_terminal_matrix(self.row_dicts(),
+                                                      self.selection.backend_dicts()):
+            tr.write_line(line)
+        errors = [r for r in self.rows if r.status == "error"]
+        if errors:
+            kinds = sorted({r.error_kind or "harness" for r in errors})
+            tr.write_line(f"kvconform: {len(errors)} harness error(s) ({', '.join(kinds)}): the "
+                          "harness failed, not the backend", red=True)
+        # Only once collection finished: a run stopped before it matched nothing yet.
+        for entry in self.selection.stale_xfails() if self.selection.counts.counted else ():
+            tr.write_line(f"kvconform: warning: stale xfail entry {entry.describe()} matched no "
+                          "test", yellow=True)
+        if self.verdict_line:
+            tr.write_line(f"kvconform: verdict: {self.verdict_line}")
+        if self.report_line:
+            tr.write_line(self.report_line)
+        if self.report_error:
+            tr.write_line(f"kvconform: ERROR: {self.report_error}", red=True, bold=True)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if getattr(self.config, "workeroutput", None) is not None:
+            return  # an xdist worker: its controller judges (KvSelection hands over counts)
+        if self.selection.usage_error:
+            session.exitstatus = pytest.ExitCode.USAGE_ERROR
+            return
+        failed = self._conclude(exitstatus, session)
+        if failed and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def _conclude(self, exitstatus: int, session: pytest.Session | None = None) -> bool:
+        """The verdict line and (when wanted) the report; True when the run must exit
+        non-zero for it (strict and not qualified, a plugin that stops production, the
+        report unwritable)."""
+        from pytest_kvconform.report import build as report_mod
+
+        self.concluded = True
+        strict = self.options.strict
+        selection = self.selection.record()
+        results = self.row_dicts()
+        run = report_mod.run_record(
+            run_id=self.run_id, started=self.started_iso,
+            duration_s=time.monotonic() - self.started,
+            interruption=self._interruption(session, exitstatus))
+        plugins = self.selection.plugins_record()
+        startup = report_mod.startup_failures(plugins)
+        verdict, uncovered = report_mod.judge(results, strict, selection, run, startup)
+        self.verdict_line = report_mod.verdict_text(verdict, uncovered, selection, run, results,
+                                                    startup)
+        failed = bool(startup) or (strict and verdict != "qualified")
+        if self.options.report is None and not self.report_wanted:
+            return failed
+        environment = report_mod.environment_info(self.options.raw, seed=None)
+        if plugins is not None:
+            environment["plugins"] = plugins
+        faults = _seeded_faults(results)
+        if faults:
+            environment["seeded_faults"] = faults
+        import_log = self.selection.import_log_record()
+        if import_log is not None:
+            environment[run_env.IMPORT_LOG_KEY] = import_log
+        self.built_report = report_mod.build_report(
+            environment=environment, backends=self.selection.backend_dicts(), results=results,
+            options=self.options.raw, strict=strict, selection=selection, run=run)
+        if self.options.report is None:
+            return failed
+        try:
+            json_path, md_path = report_mod.write_report(self.options.report, self.built_report)
+        except (OSError, report_mod.ReportError) as exc:
+            detail: Any = exc
+            if isinstance(exc, OSError) and exc.strerror:
+                detail = exc.strerror + (f": {exc.filename}" if exc.filename else "")
+            self.report_error = (f"the report could not be written to "
+                                 f"{self.options.report}: {detail}")
+            return True
+        self.report_line = f"kvconform: report written to {json_path} and {md_path}"
+        return failed
+
+    def _interruption(self, session: pytest.Session | None, exitstatus: int) -> str | None:
+        if self.interruption:
+            return self.interruption
+        if self.config.option.collectonly:
+            return "--collect-only: no test ran"
+        if exitstatus == pytest.ExitCode.INTERRUPTED or session is None:
+            return str(getattr(session, "shouldstop", None) or "interrupted")
+        selected = self.selection.counts.selected_or_none()
+        ran = len({r.nodeid for r in self.rows})
+        stop = session.shouldstop or session.shouldfail
+        if stop and selected is not None and ran < selected:
+            return str(stop)
+        return None
+
+
+def _seeded_faults(results: Sequence[dict[str, Any]]) -> list[str]:
+    """The seeded worker faults of this run: set for the whole run, or by a test."""
+    from pytest_kvconform.workers import pool as workers
+
+    try:
+        faults = {workers.active_fault()}
+    except ValueError:  # refused at start-up already
+        faults = set()
+    faults |= {r["seeded_fault"] for r in results}
+    return sorted(f for f in faults if f)
+
+
+def properties_from_id(nodeid: str, *, backends: Iterable[str], layouts: Iterable[str],
+                       cases: Iterable[str], device: str) -> list[tuple[str, Any]] | None:
+    """A suite test's properties read back from its id (``test_kv_a2[B-bf16_h8]``): the
+    clause from its name, then its parameters in the suite's order (backend or need,
+    layout, case), each matched against the known values.  None for other tests."""
+    name = nodeid.rpartition("::")[2]
+    clause = clause_from_test_name(name)
+    if clause is None:
+        return None
+    params = name.partition("[")[2].removesuffix("]")
+    found: dict[str, str | None] = {"kv_backend": None, "kv_layout": None, "kv_case": None}
+    known = (("kv_backend", {*backends, "need_False", "need_True"}), ("kv_layout", set(layouts)),
+             ("kv_case", set(cases)))
+    for key, values in known:
+        for value in sorted(values, key=len, reverse=True):  # the longest of two prefixes
+            if params == value or params.startswith(value + "-"):
+                found[key] = value
+                params = params[len(value) + 1:]
+                break
+    return [("kv_clause", clause), *found.items(), ("kv_device", device)]
+
+
+def result_row(report: pytest.TestReport) -> ResultRow | None:
+    """One result row, from the report of a suite test's phase; None for other tests
+    and for phases that add nothing (a passing setup or teardown)."""
+    props: dict[str, Any] = dict(report.user_properties)
+    if "kv_clause" not in props:
+        return None
+    wasxfail = getattr(report, "wasxfail", None)
+    error_kind = props.get(ERROR_KIND_PROPERTY)
+    if report.when == "call":
+        if wasxfail is not None:
+            status = "xfailed" if report.skipped else "xpassed"
+        elif report.failed and error_kind is not None:
+            status = "error"  # the harness failed here, not the backend
+        else:
+            status = report.outcome
+    elif report.failed:
+        status = "error"
+    elif report.skipped and report.when == "setup":
+        status = "xfailed" if wasxfail is not None else "skipped"
+    else:
+        return None
+    reason = ""
+    if status == "skipped" and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+    elif status in ("failed", "error"):
+        crash = getattr(report.longrepr, "reprcrash", None)
+        reason = crash.message if crash is not None else str(report.longrepr)
+        reason = reason.removeprefix(_FAILURE_PREFIX)
+    elif wasxfail is not None:
+        reason = str(wasxfail).removeprefix("reason: ")
+    return ResultRow(
+        nodeid=report.nodeid,
+        backend=props.get("kv_backend"),
+        clause=props["kv_clause"],
+        case=props.get("kv_case"),
+        layout=props.get("kv_layout"),
+        device=props.get("kv_device"),
+        status=status,
+        reason=reason,
+        duration_s=round(report.duration, 4),
+        skip_kind=props.get(SKIP_KIND_PROPERTY),
+        xfail=props.get(XFAIL_PROPERTY),
+        error_kind=error_kind if status in ("error", "xfailed") else None,
+        via=props.get(VIA_PROPERTY),
+        seeded_fault=props.get(SEEDED_FAULT_PROPERTY),
+    )
+

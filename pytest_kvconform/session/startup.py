@@ -1,0 +1,64 @@
+"""Checks that run at start-up, before discovery imports vLLM: output paths, xfails file.
+
+A report path that cannot be written, or an xfails file that does not parse, is a
+usage error within a second, not a traceback after the whole suite has run.
+Stdlib only (plus ``packaging`` through ``xfails``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pytest_kvconform.report.build import report_paths
+
+
+class StartupError(ValueError):
+    """An option names an output or input that cannot be used; the message names it."""
+
+
+def check_report_path(path: Path) -> tuple[Path, Path]:
+    """``(json, markdown)`` paths for ``--kv-report``, each checked writable now.
+
+    A path ending in ``.md`` is understood as the Markdown's (JSON goes next to it).
+    Writability is tried, not inferred from mode bits: root ignores them, while a
+    read-only mount, ``/sys`` or a file used as a directory refuse even root.
+    """
+    json_path, md_path = report_paths(path)
+    for target in (json_path, md_path):
+        _check_writable_file(path, target)
+    return json_path, md_path
+
+
+def _check_writable_file(given: Path, target: Path) -> None:
+    what = f"{given}" if target == given else f"{given}: {target}"
+    if target.is_dir():
+        raise StartupError(f"{what} is a directory; give a file path such as "
+                           f"{target / 'report.json'}")
+    if target.exists() and not target.is_file():
+        raise StartupError(f"{what} exists and is not a regular file")
+    parent = target.resolve().parent
+    if not parent.exists():
+        raise StartupError(f"{what}: directory {parent} does not exist")
+    if not parent.is_dir():
+        raise StartupError(f"{what}: {parent} is not a directory")
+    probe = parent / f".kvconform-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise StartupError(f"{what}: directory {parent} is not writable "
+                           f"({exc.strerror or exc})") from None
+    os.close(fd)
+    probe.unlink(missing_ok=True)
+
+
+def load_xfails(path: Path) -> list[Any]:
+    """The parsed xfails file; a bad one raises :class:`StartupError` naming it."""
+    from pytest_kvconform.session import xfails
+
+    try:
+        return xfails.load_xfails(path)
+    except (OSError, xfails.XfailFileError) as exc:
+        raise StartupError(str(exc)) from None

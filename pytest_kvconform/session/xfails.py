@@ -1,0 +1,264 @@
+"""Expected-failure entries (``--kv-xfails FILE``): loading, matching, staleness.
+
+Stdlib + ``packaging`` only.  A known defect of an installed vLLM / vLLM-Omni is
+declared once, with a reason and the versions it applies to, instead of being
+edited out of the suite; an entry that no longer matches anything is reported
+stale so the list shrinks when upstream fixes land.
+
+File format (TOML)::
+
+    [[xfail]]
+    backend = "FLASH_ATTN"      # backend name, or "*" for any (including upstream tests)
+    clause = "KV-L6"
+    case = "two_layers"         # optional: only this spec case
+    layout = "BLNHC"            # optional: only this layout
+    reason = "vllm-omni 0.30 drops the backend's flag"
+    vllm_omni = ">=0.30,<0.31"  # optional PEP 440 specifier; absent package -> not applied
+    vllm = ">=0.30"             # optional, same rule
+    device = "cuda"             # optional: "cpu" or "cuda"
+    errors = true               # optional: also absorb harness errors (any kind), or
+                                # errors = ["oom", "timeout"] (worker-died, timeout, oom, harness)
+
+Without ``errors`` an entry never absorbs a harness error (a worker that died or
+timed out, an OOM, the plugin's own exception): those stay status ``error``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from pytest_kvconform.contract.clauses import CLAUSE_RE
+from pytest_kvconform.contract.outcomes import ErrorKind
+
+ANY_BACKEND = "*"
+ANY_CLAUSE = "*"  # every clause of the backend, e.g. one whose kernel package is absent
+DEVICE_KINDS = ("cpu", "cuda")
+_REQUIRED = ("backend", "clause", "reason")
+_OPTIONAL = ("case", "layout", "test", "vllm", "vllm_omni", "device")
+_VERSION_KEYS = ("vllm", "vllm_omni")
+ERRORS_KEY = "errors"
+ERROR_KINDS = tuple(kind.value for kind in ErrorKind)
+
+
+class XfailFileError(ValueError):
+    """A malformed xfail file; the message names the file, the entry and the key."""
+
+    def __init__(
+        self, file: str, message: str, *, index: int | None = None, key: str | None = None
+    ) -> None:
+        self.file = file
+        self.index = index
+        self.key = key
+        where = file
+        if index is not None:
+            where += f": [[xfail]] entry {index}"
+        if key is not None:
+            where += f": key {key!r}"
+        super().__init__(f"{where}: {message}")
+
+
+@dataclass(frozen=True)
+class XfailEntry:
+    """One ``[[xfail]]`` table; ``index`` is 1-based, in file order."""
+
+    file: str
+    index: int
+    backend: str
+    clause: str
+    reason: str
+    case: str | None = None
+    layout: str | None = None
+    test: str | None = None  # the suite function, e.g. "test_kv_l8_alias"
+    vllm: SpecifierSet | None = None
+    vllm_omni: SpecifierSet | None = None
+    device: str | None = None
+    errors: frozenset[str] = frozenset()  # harness-error kinds this entry absorbs
+
+    def absorbs_error(self, kind: str) -> bool:
+        """Whether a harness error of ``kind`` may become this entry's xfail (opt-in only)."""
+        return kind in self.errors
+
+    def describe(self) -> str:
+        """Stable id, e.g. ``xfails.toml:2 FLASH_ATTN/KV-L6/two_layers``.
+
+        The plugin collects these strings (they cross xdist workers unchanged)
+        and hands them to :func:`stale_entries`; the file's base name keeps the
+        id the same on every host.
+        """
+        parts = [self.backend, self.clause]
+        if self.test is not None:
+            parts.append(self.test)
+        if self.case is not None:
+            parts.append(self.case)
+        text = f"{Path(self.file).name}:{self.index} {'/'.join(parts)}"
+        if self.layout is not None:
+            text += f"@{self.layout}"
+        return text
+
+    def matches(
+        self,
+        backend: str | None,
+        clause: str,
+        case: str | None,
+        layout: str | None,
+        test: str | None = None,
+    ) -> bool:
+        """Whether this entry names the test; None fields of the entry match anything.
+
+        ``backend=None`` is an upstream (per layout/case) test: only ``"*"`` names it.
+        """
+        if self.backend != ANY_BACKEND and self.backend != backend:
+            return False
+        if self.clause != ANY_CLAUSE and self.clause != clause:
+            return False
+        if self.case is not None and self.case != case:
+            return False
+        if self.test is not None and self.test != test:
+            return False
+        return self.layout is None or self.layout == layout
+
+    def applies_to(self, versions: Mapping[str, str | None], device_kind: str) -> bool:
+        """Whether the entry's version/device conditions hold on this host.
+
+        ``versions`` maps ``vllm`` / ``vllm_omni`` to installed versions (None when
+        absent).  A condition on a package that is absent, or whose version does
+        not parse, does not hold: an xfail must never hide a failure it was not
+        written for.  ``device_kind`` may be ``"cuda:1"``; only the kind counts.
+        """
+        for key in _VERSION_KEYS:
+            spec: SpecifierSet | None = getattr(self, key)
+            if spec is None:
+                continue
+            installed = versions.get(key)
+            if installed is None:
+                installed = versions.get(key.replace("_", "-"))
+            if installed is None:
+                return False
+            try:
+                version = Version(installed)
+            except InvalidVersion:
+                return False
+            if not spec.contains(version, prereleases=True):
+                return False
+        return self.device is None or self.device == device_kind.split(":", 1)[0]
+
+
+def load_xfails(path: str | Path) -> list[XfailEntry]:
+    """Parse and validate an xfail file; the first problem raises :class:`XfailFileError`."""
+    file = str(path)
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise XfailFileError(file, f"cannot read: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise XfailFileError(file, f"not valid TOML: {exc}") from exc
+    unknown = sorted(set(data) - {"xfail"})
+    if unknown:
+        raise XfailFileError(
+            file, f"unknown top-level key {unknown[0]!r} (expected only [[xfail]] tables)"
+        )
+    tables = data.get("xfail", [])
+    if not isinstance(tables, list):
+        raise XfailFileError(file, "'xfail' must be an array of tables ([[xfail]])")
+    return [_parse_entry(file, i, table) for i, table in enumerate(tables, start=1)]
+
+
+def _parse_entry(file: str, index: int, table: Any) -> XfailEntry:
+    def fail(message: str, key: str | None = None) -> XfailFileError:
+        return XfailFileError(file, message, index=index, key=key)
+
+    if not isinstance(table, dict):
+        raise fail("must be a table")
+    for key in table:
+        if key not in _REQUIRED and key not in _OPTIONAL and key != ERRORS_KEY:
+            allowed = ", ".join(_REQUIRED + _OPTIONAL + (ERRORS_KEY,))
+            raise fail(f"unknown key (allowed: {allowed})", key)
+    for key in _REQUIRED:
+        if key not in table:
+            raise fail("missing (required)", key)
+    fields: dict[str, Any] = {}
+    for key in _REQUIRED + _OPTIONAL:
+        if key not in table:
+            continue
+        value = table[key]
+        if not isinstance(value, str) or not value.strip():
+            raise fail(f"must be a non-empty string, got {value!r}", key)
+        fields[key] = value.strip()
+    if fields["clause"] != ANY_CLAUSE and not CLAUSE_RE.match(fields["clause"]):
+        raise fail(f"bad clause id {fields['clause']!r} (expected e.g. 'KV-L6')", "clause")
+    for key in _VERSION_KEYS:
+        if key in fields:
+            try:
+                fields[key] = SpecifierSet(fields[key])
+            except InvalidSpecifier as exc:
+                raise fail(f"bad PEP 440 specifier {fields[key]!r}", key) from exc
+    if "device" in fields and fields["device"] not in DEVICE_KINDS:
+        raise fail(f"must be one of {', '.join(DEVICE_KINDS)}, got {fields['device']!r}", "device")
+    if ERRORS_KEY in table:
+        fields[ERRORS_KEY] = _parse_errors(table[ERRORS_KEY], fail)
+    return XfailEntry(file=file, index=index, **fields)
+
+
+def _parse_errors(value: Any, fail: Any) -> frozenset[str]:
+    """``true`` (every kind), ``false``, a kind, or a list of kinds."""
+    if isinstance(value, bool):
+        return frozenset(ERROR_KINDS) if value else frozenset()
+    kinds = [value] if isinstance(value, str) else value
+    if not isinstance(kinds, list) or not kinds:
+        raise fail(f"must be true, false, a kind or a list of kinds, got {value!r}", ERRORS_KEY)
+    for kind in kinds:
+        if kind not in ERROR_KINDS:
+            raise fail(f"unknown harness-error kind {kind!r} (expected "
+                       f"{', '.join(ERROR_KINDS)})", ERRORS_KEY)
+    return frozenset(kinds)
+
+
+def first_match(
+    entries: Iterable[XfailEntry],
+    *,
+    backend: str | None,
+    clause: str,
+    case: str | None,
+    layout: str | None,
+    versions: Mapping[str, str | None],
+    device_kind: str,
+    test: str | None = None,
+) -> XfailEntry | None:
+    """The first entry, in file order, that names the test and applies on this host."""
+    for entry in entries:
+        if entry.matches(backend, clause, case, layout, test) and entry.applies_to(
+            versions, device_kind
+        ):
+            return entry
+    return None
+
+
+def stale_entries(
+    entries: Iterable[XfailEntry],
+    matched_ids: Collection[str],
+    *,
+    versions: Mapping[str, str | None] | None = None,
+    device_kind: str | None = None,
+) -> list[XfailEntry]:
+    """Entries whose :meth:`~XfailEntry.describe` id is not in ``matched_ids``.
+
+    With ``versions`` and ``device_kind`` given, an entry whose conditions do
+    not hold on this host is not stale here (it is written for another host).
+    """
+    stale = []
+    for entry in entries:
+        if entry.describe() in matched_ids:
+            continue
+        if versions is not None and device_kind is not None:
+            if not entry.applies_to(versions, device_kind):
+                continue
+        stale.append(entry)
+    return stale

@@ -1,0 +1,201 @@
+"""One KV-A deployment as the test process drives it: where production runs, what it did.
+
+``adapters/engine.py`` runs production's control plane, executor and diffusion worker; this
+module decides where, given the KV-A worker processes a check was handed (one per
+rank) and the deepest production entry point those processes can run
+(``engine.entry_point``, reported by each worker at start-up):
+
+- :class:`ChildDeployment`: the whole engine inside the first worker.  At world size
+  1 that is production's uniproc topology (control plane and worker in one process,
+  configs by reference); with production's executors available it is also the
+  multiproc topology, whose executor spawns its own worker processes.
+- :class:`ParentDeployment`: where only production's model runner can run, a
+  multi-process deployment puts the control plane here and one rank in each
+  worker; :class:`PipeExecutor` (production's ``DiffusionExecutor`` with the
+  multiproc executor's RPC envelope, sent as the executor's frames) carries the
+  calls.
+
+The result names the production entry point that ran (``EngineReport.via``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pytest_kvconform.adapters import engine, executor_wire, seeds
+from pytest_kvconform.adapters.engine import EngineReport, EngineSpec
+from pytest_kvconform.contract.outcomes import Unsupported
+from pytest_kvconform.workers.pool import WorkerHandle
+from pytest_kvconform.workers.protocol import WorkerError
+
+
+def _entry_point(handles: Sequence[WorkerHandle]) -> engine.EntryPoint:
+    info = handles[0].wait_ready() if handles else {}
+    return engine.EntryPoint(**(info.get("entry_point") or {"level": ""}))
+
+
+def level(handles: Sequence[WorkerHandle]) -> str:
+    """The production entry point the workers can run (``engine.EXECUTOR`` / ``RUNNER``)."""
+    return _entry_point(handles).level
+
+
+def via(handles: Sequence[WorkerHandle], topology: str) -> str:
+    """Which production code the workers' deployment hands the configs to, in words."""
+    return _entry_point(handles).chain(topology)
+
+
+class ChildDeployment:
+    """The whole engine in one worker process."""
+
+    def __init__(self, handle: WorkerHandle, spec: EngineSpec, *, control: str | None,
+                 prepin: str | None, visible_devices: str | None) -> None:
+        self.handle = handle
+        self.report: EngineReport = handle.engine_run(spec, control=control, prepin=prepin,
+                                                      visible_devices=visible_devices)
+
+    def call(self, method: str, rank: int, *args: Any) -> Any:
+        return self.handle.engine_call(method, rank, *args)
+
+    def close(self) -> None:
+        if self.handle.alive:
+            self.handle.release()
+
+
+class ParentDeployment:
+    """The control plane here, one rank of production's model runner per worker."""
+
+    def __init__(self, handles: Sequence[WorkerHandle], spec: EngineSpec, *,
+                 control: str | None, prepin: str | None) -> None:
+        self.handles = list(handles)
+        try:
+            for rank, handle in enumerate(self.handles):
+                handle.rank_start(spec, rank, control=control)
+            with engine.backend_selected(spec) as selected, \
+                    seeds.seeded(seeds.active()):
+                od = engine.od_config(spec, selected, executor_backend=None)
+                self.executor = _pipe_executor_class()(od, self.handles)
+                self.report = engine.run_control_plane(self.executor, od, spec, prepin=prepin)
+            self.report.via = via(self.handles, spec.topology)
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, method: str, rank: int, *args: Any) -> Any:
+        return self.executor.collective_rpc(method, args=args, unique_reply_rank=rank)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            if handle.alive:
+                handle.release()
+
+
+Deployment = ChildDeployment | ParentDeployment
+
+
+def start(spec: EngineSpec, handles: Sequence[WorkerHandle], *, control: str | None = None,
+          prepin: str | None = None) -> Deployment:
+    """Run production's engine for ``spec`` on ``handles`` (one per rank).
+
+    Raises :class:`Unsupported` when no production worker entry point can run in
+    the workers (the reason says what is missing).
+    """
+    point = level(handles)
+    if not point:
+        info = handles[0].wait_ready().get("entry_point") or {}
+        raise Unsupported("production's diffusion worker cannot run here: "
+                          f"{info.get('why_not_runner') or 'unknown'}")
+    if spec.topology == engine.MP and point == engine.RUNNER:
+        return ParentDeployment(handles, spec, control=control, prepin=prepin)
+    gpus = [h.gpu_id for h in handles if h.gpu_id is not None]
+    visible = ",".join(gpus) if spec.topology == engine.MP and len(gpus) > 1 else None
+    return ChildDeployment(handles[0], spec, control=control, prepin=prepin,
+                           visible_devices=visible)
+
+
+def _pipe_executor_class() -> type:
+    from vllm_omni.diffusion.executor.abstract import DiffusionExecutor
+
+    class PipeExecutor(DiffusionExecutor):  # type: ignore[misc]
+        """Production's ``DiffusionExecutor`` over the KV-A worker pipes.
+
+        Its ``get_kv_cache_specs`` / ``determine_available_kv_memory`` /
+        ``set_kv_cache_configs`` are production's; ``collective_rpc`` builds the
+        multiproc executor's RPC envelope, serialises it with the executor's
+        broadcast queue, and sends the frames to the ranks it addresses.  A call
+        every rank runs but one rank answers gets what that rank's worker would
+        answer after its all-gather: every rank's list, in rank order.
+        """
+
+        def __init__(self, od_config: Any, handles: Sequence[WorkerHandle]) -> None:
+            self.handles = list(handles)
+            self.wire = ""
+            super().__init__(od_config)
+
+        def _init_executor(self) -> None:
+            """The ranks are already started (``ParentDeployment``)."""
+
+        @property
+        def is_dead(self) -> bool:
+            return not all(h.alive for h in self.handles)
+
+        def collective_rpc(self, method: str, timeout: float | None = None,
+                           args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                           unique_reply_rank: int | None = None,
+                           exec_all_ranks: bool = False) -> Any:
+            multi_rank_reply = unique_reply_rank is None and exec_all_ranks
+            every_rank = unique_reply_rank is None or exec_all_ranks
+            rpc = {"type": "rpc", "method": method, "args": tuple(args),
+                   "kwargs": dict(kwargs or {}),
+                   "output_rank": None if multi_rank_reply else (unique_reply_rank or 0),
+                   "exec_all_ranks": every_rank,
+                   "collect_rank_status": unique_reply_rank is None and not multi_rank_reply}
+            frames, self.wire = executor_wire.encode(rpc)
+            ranks = (list(range(len(self.handles))) if every_rank
+                     else [int(unique_reply_rank or 0)])
+            replies = _exchange([self.handles[r] for r in ranks], frames, method)
+            if unique_reply_rank is None:
+                return replies
+            if exec_all_ranks and all(isinstance(r, list) for r in replies):
+                return [item for reply in replies for item in reply]
+            return replies[ranks.index(unique_reply_rank)]
+
+        def execute_request(self, scheduler_output: Any) -> Any:
+            raise NotImplementedError
+
+        execute_batch = execute_step = execute_request
+
+        def check_health(self) -> None:
+            if self.is_dead:
+                raise RuntimeError("a KV-A worker process is gone")
+
+        def shutdown(self) -> None:
+            """The ranks are closed by their deployment."""
+
+    return PipeExecutor
+
+
+def _exchange(handles: Sequence[WorkerHandle], frames: Sequence[bytes], method: str) -> list[Any]:
+    """Send the frames to every rank at once (as the executor broadcasts), then collect.
+
+    Every reply that was asked for is read before the first error is raised, so no
+    rank's pipe is left holding a stale reply for its next request.
+    """
+    sent: list[WorkerHandle] = []
+    error: WorkerError | None = None
+    for handle in handles:
+        try:
+            handle.send_rpc(frames)
+        except WorkerError as exc:
+            error = exc
+            break
+        sent.append(handle)
+    replies = []
+    for handle in sent:
+        try:
+            replies.append(handle.receive(method))
+        except WorkerError as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return replies

@@ -1,0 +1,26 @@
+"""The fork server's last import (``workers/forkserver.py``): mark its preload done.
+
+The test process waits for this marker, bounded, before it asks the server to fork
+(``Process.start`` would otherwise block, unbounded, behind the imports).  The
+objects the imports made are frozen out of the garbage collector's reach first, so
+no forked worker's collections walk them (nor copy their pages).  Anywhere
+else (the directory unset) importing it does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pytest_kvconform.workers import forkserver_guard
+
+
+def _mark() -> None:
+    if forkserver_guard.DIRECTORY:
+        import gc
+
+        gc.freeze()  # what the server imported: out of every collection, in every fork
+        with open(os.path.join(forkserver_guard.DIRECTORY, "ready"), "w"):
+            pass
+
+
+_mark()

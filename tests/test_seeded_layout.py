@@ -1,0 +1,224 @@
+"""Seeded faults for the KV-L clauses: each must turn its clause red, and only then.
+
+Every fault is planted with ``seed`` (``tests/seeding.py``) where production looks the
+name up (a module attribute read at call time), or is a stand-in backend registered
+through the plugin's own hook; the unpatched selection is run too, so no clause fails
+by construction.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from pytest_kvconform.adapters import seam_backends
+from tests import standin_backends as sb
+from tests.conftest import needs_omni
+from tests.seeding import Seeder, backend_args, expect_run, register_backends
+
+pytestmark = needs_omni
+
+SDPA = ("--kv-backend", "TORCH_SDPA")
+RESOLVER = "vllm_omni.diffusion.diffusion_kv.layout.resolve_diffusion_kv_cache_layout"
+
+L1_FAULTS = {"INT_FLAG": sb.IntFlag, "FLIPPING": sb.Flipping, "TOUCHES_CUDA": sb.TouchesCuda,
+             "TOUCHES_CUDA_RAW": sb.TouchesCudaRaw, "RAISES": sb.Raises}
+
+
+def test_l1_faults_fail_and_registry_passes(kv_run, pytester: pytest.Pytester) -> None:
+    register_backends(pytester, L1_FAULTS)
+    result = kv_run("-k", "kv_l1", *backend_args(*L1_FAULTS), *SDPA)
+    expect_run(result, failed=5, passed=1, clauses=["KV-L1"] * 5, in_order=False, lines=[
+        "*KV-L1 violated*INT_FLAG*returned 1 of type int; a real bool is required*",
+        "*KV-L1 violated*FLIPPING*changes its answer between calls*",
+        "*KV-L1 violated*TOUCHES_CUDA[]]*initialised a CUDA context*",
+        "*KV-L1 violated*TOUCHES_CUDA_RAW*initialised a CUDA context*",
+        "*KV-L1 violated*RAISES*raised: RuntimeError('registry not ready')*",
+    ])
+
+
+def test_l2_wrong_pin_fails(kv_run, seed: Seeder) -> None:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    def wrong_pin(vllm_config: Any, **_: Any) -> Any:
+        vllm_config.cache_config.kv_cache_layout = "LBHNC"
+        return KVCacheLayout.LBHNC
+
+    seed.replace(RESOLVER, wrong_pin)
+    result = kv_run("-k", "kv_l2", *SDPA)
+    expect_run(result, failed=1, clauses=["KV-L2"], lines=[
+        "*KV-L2 violated*TORCH_SDPA*default layer-outermost*", "*expected: 'LBNHC'*",
+        "*actual:   'LBHNC'*"])
+
+
+def test_l3_overwriting_a_consistent_pin_fails(kv_run, seed: Seeder) -> None:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    def overwriting(original: Any) -> Any:
+        def resolve(vllm_config: Any, *, indexes_kv_by_block_stride: bool = False,
+                    required_layout: Any = None) -> Any:
+            cache_config = vllm_config.cache_config
+            if cache_config.kv_cache_layout is not None and required_layout is None:
+                cache_config.kv_cache_layout = "LBNHC"
+                return KVCacheLayout.LBNHC
+            return original(vllm_config, indexes_kv_by_block_stride=indexes_kv_by_block_stride,
+                            required_layout=required_layout)
+        return resolve
+
+    seed.wrap(RESOLVER, overwriting)
+    result = kv_run("-k", "kv_l3", *SDPA)
+    expect_run(result, failed=1, clauses=["KV-L3"], lines=[
+        "*KV-L3 violated*TORCH_SDPA*layout=LBHNC*pinned layout LBHNC (consistent with the "
+        "backend), but resolution returned another layout*",
+        "*expected: 'LBHNC'*", "*actual:   'LBNHC'*"])
+
+
+def test_l4_overwriting_a_contradictory_pin_fails(kv_run, seed: Seeder) -> None:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    def overwriting(original: Any) -> Any:
+        def resolve(vllm_config: Any, *, indexes_kv_by_block_stride: bool = False,
+                    required_layout: Any = None) -> Any:
+            cache_config = vllm_config.cache_config
+            current = cache_config.kv_cache_layout
+            need = bool(indexes_kv_by_block_stride)
+            if current is not None and KVCacheLayout[current].is_block_outermost != need:
+                layout = KVCacheLayout.BLNHC if need else KVCacheLayout.LBNHC
+                cache_config.kv_cache_layout = layout.name
+                return layout
+            return original(vllm_config, indexes_kv_by_block_stride=indexes_kv_by_block_stride,
+                            required_layout=required_layout)
+        return resolve
+
+    seed.wrap(RESOLVER, overwriting)
+    result = kv_run("-k", "kv_l4 or kv_l3", *SDPA)
+    expect_run(result, failed=1, passed=1, clauses=["KV-L4"], lines=[
+        "*KV-L4 violated*TORCH_SDPA*layout=BLHNC*pinned layout BLHNC contradicts "
+        "indexes_kv_by_block_stride()=False, but resolution accepted it: returned LBNHC*"])
+
+
+def test_l5_silent_assertion_fails(kv_run, seed: Seeder) -> None:
+    seed.replace("vllm_omni.diffusion.diffusion_kv.layout.assert_backend_layout_supported",
+                 lambda vllm_config, attn_backend: None)
+    result = kv_run("-k", "kv_l5", *SDPA)
+    expect_run(result, failed=1, clauses=["KV-L5"],
+               lines=["*KV-L5 violated*TORCH_SDPA*stayed silent for layout BLHNC*"])
+
+
+def test_l6_block_stride_backend_fails_on_the_control_plane(kv_run,
+                                                            pytester: pytest.Pytester) -> None:
+    """The True branches of L3-L5 hold; only the production wiring drops the flag."""
+    register_backends(pytester, {"FAKE_BS": seam_backends.NeedTrue})  # paged, needs True
+    result = kv_run("-k", "(kv_l3 or kv_l4 or kv_l5 or kv_l6) and not seam",
+                    "--kv-backend", "FAKE_BS")
+    expect_run(result, failed=1, passed=3, clauses=["KV-L6"], lines=[
+        "*KV-L6 violated*FAKE_BS*the control plane never receives indexes_kv_by_block_stride;"
+        " pinned LBNHC for a backend that needs a block-outermost layout*; production's worker"
+        " then allocated LBNHC without complaint*",
+        "*expected: 'a block-outermost layout'*", "*actual:   'LBNHC'*"])
+
+
+def test_l3_to_l6_pass_unpatched(kv_run) -> None:
+    result = kv_run("-k", "(kv_l3 or kv_l4 or kv_l5 or kv_l6) and not seam",
+                    "--kv-backend", "FLASH_ATTN")
+    result.assert_outcomes(passed=4)
+
+
+def test_l6_does_not_apply_to_a_backend_production_serves_no_paged_kv_with(kv_run) -> None:
+    result = kv_run("-rs", "-k", "kv_l6 and not seam", *SDPA)
+    expect_run(result, skipped=1, lines=[
+        "*KV-L6: TORCH_SDPA has no paged KV support (supports_paged_kv is not True): "
+        "production serves no paged model with it*register_kv_cache_layers*"])
+
+
+def test_l6_seam_reports_the_wiring_gap_for_need_true_only(kv_run) -> None:
+    """vllm-omni 0.30's control plane drops the flag: need_True fails, need_False passes."""
+    result = kv_run("-k", "kv_l6_seam")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*KV-L6 violated [[]backend=need_True, layout=LBNHC[]]: the "
+                                 "control plane never receives indexes_kv_by_block_stride*"])
+
+
+def test_l7_skips_with_reason(kv_run, pytester: pytest.Pytester) -> None:
+    register_backends(pytester, {"FAKE_BS": sb.NeedsBlockStride})
+    result = kv_run("-rs", "-k", "kv_l7", "--kv-device", "cpu", "--kv-backend", "FAKE_BS",
+                    "--kv-backend", "FLASH_ATTN")
+    expect_run(result, skipped=2, in_order=False, lines=[
+        "*KV-L7: the backend does not declare supports_paged_kv*",
+        "*KV-L7: needs the backend's kernel device (CUDA)*"])
+
+
+def _plant_conforming_l8(seed: Seeder) -> None:
+    """Aliases mapped, the variable honoured, workers compare layouts rather than
+    spellings: what the contract asks of vllm-omni."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm_omni.diffusion.diffusion_kv import layout as omni_layout
+
+    aliases = {"NHD": "LBNHC", "HND": "LBHNC"}
+    original = omni_layout.resolve_diffusion_kv_cache_layout
+
+    def member(name: str) -> Any:
+        try:
+            return KVCacheLayout[aliases.get(name, name)]
+        except KeyError:
+            raise ValueError(f"unknown KV cache layout {name!r}") from None
+
+    def resolve(vllm_config: Any, *, indexes_kv_by_block_stride: bool = False,
+                required_layout: Any = None) -> Any:
+        need = bool(indexes_kv_by_block_stride)
+        cache_config = vllm_config.cache_config
+        current = cache_config.kv_cache_layout
+        source = "CacheConfig.kv_cache_layout"
+        if current is None and os.environ.get("VLLM_KV_CACHE_LAYOUT"):
+            current, source = os.environ["VLLM_KV_CACHE_LAYOUT"], "VLLM_KV_CACHE_LAYOUT"
+        if current is None or required_layout is not None:
+            return original(vllm_config, indexes_kv_by_block_stride=need,
+                            required_layout=required_layout)
+        layout = member(current)
+        if layout.is_block_outermost != need:
+            raise ValueError(f"{source}={current} ({layout.name}) contradicts the backend")
+        if cache_config.kv_cache_layout is None:
+            cache_config.kv_cache_layout = layout.name
+        return layout
+
+    def adopt(vllm_config: Any, kv_cache_config: Any) -> Any:
+        name = kv_cache_config.kv_cache_layout
+        current = vllm_config.cache_config.kv_cache_layout
+        if current is None:
+            vllm_config.cache_config.kv_cache_layout = name
+        elif member(current) is not member(name):
+            raise ValueError(f"worker layout {current!r} disagrees with {name!r}")
+        return member(name)
+
+    seed.replace(RESOLVER, resolve)
+    seed.replace("vllm_omni.diffusion.diffusion_kv.layout.adopt_kv_cache_layout", adopt)
+
+
+def test_l8_fails_unpatched_with_named_aliases_and_variable(kv_run) -> None:
+    before = os.environ.get("VLLM_KV_CACHE_LAYOUT")
+    result = kv_run("-k", "kv_l8", *SDPA)
+    expect_run(result, failed=3, passed=1, clauses=["KV-L8"] * 3, in_order=False, lines=[
+        "*KV-L8 violated*'HND' (upstream's legacy alias for LBHNC) must be honoured as LBHNC, "
+        "but it refused it and raised a bare KeyError('HND')*",
+        "*KV-L8 violated*worker whose CacheConfig.kv_cache_layout='NHD' (alias of LBNHC) must "
+        "adopt*disagrees*",
+        "*KV-L8 violated*VLLM_KV_CACHE_LAYOUT=LBHNC*must be honoured, but it was silently "
+        "ignored: diffusion resolution pinned LBNHC*",
+    ])
+    assert os.environ.get("VLLM_KV_CACHE_LAYOUT") == before  # the check restored it
+
+
+def test_l8_passes_when_resolution_conforms(kv_run, seed: Seeder) -> None:
+    _plant_conforming_l8(seed)
+    result = kv_run("-k", "kv_l8", *SDPA)
+    expect_run(result, passed=4)
+
+
+def test_l6_stand_in_override_is_restored(kv_run) -> None:
+    """The seam's stand-in is plugged in as a registry override only for the call."""
+    from vllm_omni.diffusion.attention.backends.registry import DiffusionAttentionBackendEnum
+
+    kv_run("-k", "kv_l6_seam")
+    assert not DiffusionAttentionBackendEnum.TORCH_SDPA.is_overridden()
