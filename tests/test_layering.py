@@ -43,12 +43,6 @@ def _short(name: str) -> str:
         name.removeprefix("pytest_kvconform.")
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imports_of(source: str, modules: set[str]) -> set[str]:
     """The package modules ``source`` imports at run time (short names)."""
     found: set[str] = set()

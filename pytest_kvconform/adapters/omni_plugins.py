@@ -457,25 +457,6 @@ def restore_plugins_env(saved: tuple[bool, str | None]) -> None:
 # --- in a worker ----------------------------------------------------------------------
 
 
-def resolve_backend(name: str, source: str) -> dict[str, Any]:
-    """Where this process resolves a discovered backend: the registry, or the platform."""
-    try:
-        if source == "registry":
-            from vllm_omni.diffusion.attention.backends.registry import (
-                DiffusionAttentionBackendEnum,
-            )
-
-            return {"path": str(DiffusionAttentionBackendEnum[name].get_path()), "error": None}
-        if source == "platform":
-            from vllm_omni.platforms import current_omni_platform
-
-            return {"path": current_omni_platform.get_diffusion_attn_backend_cls(None, 64),
-                    "error": None}
-    except Exception as exc:
-        return {"path": None, "error": describe_error(exc)}
-    return {"path": None, "error": None}  # a hook / entry-point backend: not production's
-
-
 def worker_summary(load: PluginLoad) -> dict[str, Any]:
     """What a spawned worker reports about its plugin load (plain values, for the pipe)."""
     return {"mode": load.mode, "vllm_plugins": load.vllm_plugins, "overrides": load.overrides,

@@ -39,11 +39,6 @@ def rank_of(od_config: Any) -> int:
     return int(os.environ.get("RANK", "0")) if (od_config.num_gpus or 1) > 1 else 0
 
 
-def rank_layers(case: Case, rank: int) -> list[str]:
-    """The layers rank ``rank`` holds."""
-    return [layer_name(rank * case.num_layers + i) for i in range(case.num_layers)]
-
-
 def geometry_args(case: Case) -> dict[str, Any]:
     """What the pipeline reads from ``custom_pipeline_args`` to build the case's layers."""
     return {"num_layers": case.num_layers, "num_heads": case.num_kv_heads,
