@@ -1,10 +1,10 @@
-"""The backend-repository path: the built wheel, installed with pip, run from the repo.
+"""The backend-repository path: the built wheel, installed with uv, run from the repo.
 
 A backend repository adds pytest-kvconform as a dev dependency and runs
 ``pytest --kv-conformance`` in its own environment, under its own strict pytest
 settings.  This builds the wheel from a copy of the source tree, installs it into a
-venv made for the test (reusing the default environment's packages, minus the
-editable install of this checkout), and runs the suite from a scratch directory
+venv made for the test (uv, at this environment's versions, without this
+checkout), and runs the suite from a scratch directory
 shaped like a backend repository: its own pyproject.toml, tests, a backend from its
 conftest hook and one from the ``pytest_kvconform.backends`` entry-point group.
 """
@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -27,8 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCE_IGNORE = shutil.ignore_patterns(".git", ".tox", "__pycache__", "build", "dist",
                                        "*.egg-info", ".pytest_cache", ".ruff_cache",
                                        ".mypy_cache", "report.json", "report.md", "tests")
-OWN = ("pytest_kvconform", "conformance_cases", "__editable__")
-SHARED_ENV_PTH = "kvconform-shared-env.pth"  # toxfile.LINK_PTH
 
 
 def _run(argv: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -37,25 +34,29 @@ def _run(argv: list[str], cwd: Path, timeout: float = 600) -> subprocess.Complet
                           timeout=timeout, check=False)
 
 
-def _venv_reusing_this_environment(venv: Path) -> Path:
-    """A venv whose site-packages links to this environment's, except our own package.
+def _uv(*args: str, cwd: Path) -> str:
+    done = _run(["uv", *args], cwd=cwd)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
 
-    Every site-packages this interpreter sees: a clone's tox environment holds only the
-    editable install and sees the shared environment's through a .pth file (toxfile.py),
-    which is not linked, so no install of this package comes in through it.
+
+def _venv_like_this_environment(root: Path, *targets: str) -> Path:
+    """A new venv holding ``targets`` and what they need, at this environment's versions.
+
+    uv installs it as a backend repository's CI would (hardlinked from uv's cache, so
+    seconds), constrained to what this interpreter has, without this checkout.
     """
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    frozen = _run(["uv", "pip", "freeze", "--python", sys.executable], cwd=root)
+    assert frozen.returncode == 0, frozen.stderr
+    pins = [line for line in frozen.stdout.splitlines()
+            if line and not line.startswith(("-e ", "pytest-kvconform"))]
+    constraints = root / "constraints.txt"
+    constraints.write_text("\n".join(pins) + "\n")
+    venv = root / "venv"
+    _uv("venv", "-q", "--python", sys.executable, str(venv), cwd=root)
     python = venv / "bin" / "python"
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                      "['purelib'])"], cwd=venv).stdout.strip())
-    ours = [Path(sysconfig.get_paths()["purelib"])]
-    ours += [Path(p) for p in sys.path if p.endswith("site-packages") and Path(p) not in ours]
-    for where in ours:
-        for entry in where.iterdir():
-            if entry.name.startswith(OWN) or entry.name == SHARED_ENV_PTH or \
-                    (site / entry.name).exists():
-                continue
-            (site / entry.name).symlink_to(entry)
+    _uv("pip", "install", "-q", "--python", str(python), "-c", str(constraints), *targets,
+        cwd=root)
     return python
 
 
@@ -120,21 +121,15 @@ def backend_repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     source = root / "src"
     shutil.copytree(REPO, source, ignore=SOURCE_IGNORE)
     dist = root / "dist"
-    built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                  "-w", str(dist), str(source)], cwd=root)
-    assert built.returncode == 0, built.stdout + built.stderr
-    assert "Deprecat" not in built.stdout + built.stderr, built.stdout + built.stderr
+    built = _uv("build", "--wheel", "-o", str(dist), str(source), cwd=root)
+    assert "Deprecat" not in built, built
     (wheel,) = dist.glob("pytest_kvconform-*.whl")
-    python = _venv_reusing_this_environment(root / "venv")
     repo = root / "my-backends"
     for name, text in BACKEND_REPO.items():
         path = repo / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text).lstrip())
-    for target in (str(wheel), str(repo)):
-        installed = _run([str(python), "-m", "pip", "install", "--no-deps",
-                          "--no-build-isolation", target], cwd=root)
-        assert installed.returncode == 0, installed.stdout + installed.stderr
+    python = _venv_like_this_environment(root, str(wheel), "vllm-omni", str(repo))
     shutil.rmtree(repo / "build", ignore_errors=True)
     return python, repo
 

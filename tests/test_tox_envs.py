@@ -1,28 +1,26 @@
-"""Each clone tests its own code; the heavy packages are shared (toxfile.py, tox.ini).
+"""Environments are uv's: each clone owns complete ones, the default is what users install.
 
-Two copies of this checkout run tox at the same time against the shared environment this
-test itself runs on (``KVCONFORM_SHARED_ENV_NO_BUILD=1``: a test never builds several GB;
-an environment that does not meet this checkout's pins is a skip).  Each must get a light
-environment of its own in its ``.tox`` whose interpreter, from any directory, imports that
-clone's code and loads that clone's pytest plugin; deleting one clone must leave the other
-(and the shared environment) working.
+tox-uv builds every environment in the clone's own ``.tox`` (its packages hardlinked from
+uv's cache), so two clones never run each other's code and deleting one leaves the other
+working.  The default environment takes torch the way a user's ``pip install vllm`` or
+``uv pip install vllm`` does, from the registry at its default build; only the
+``-cputorch`` environment swaps in the CPU build.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-COPIED = ("README.md", "pyproject.toml", "tox.ini", "toxfile.py", "tools", "requirements",
-          "pytest_kvconform", "conformance_cases")
+COPIED = ("README.md", "pyproject.toml", "tox.ini", "requirements", "pytest_kvconform",
+          "conformance_cases")
 IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
+DEFAULT = "py311-vllm030"
 
 # Written into each clone: what the clone's tox run tests, from the clone's own plugin.
 WHICH = '''
@@ -37,40 +35,48 @@ def test_this_clone_is_what_runs(request):
     assert Path(pytest_kvconform.__file__).resolve().is_relative_to(root)
     assert plugin is not None and Path(plugin.__file__).resolve().is_relative_to(root)
 '''
-WHERE = ("import importlib.metadata as m, pytest_kvconform; print(pytest_kvconform.__file__); "
-         "print(m.distribution('pytest-kvconform').locate_file(''))")
 
 
-def _toxfile() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvconform_toxfile", REPO / "toxfile.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _tox() -> str:
+    tox = shutil.which("tox", path=_user_env()["PATH"])
+    if tox is None:
+        pytest.skip("tox is not on PATH (README: python3 -m pip install tox tox-uv)")
+    return tox
 
 
-def _shared_env() -> Path:
-    """The shared environment this interpreter gets the heavy packages from."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        pytest.skip("torch is not installed: no shared environment to reuse")
-    env = Path(spec.origin).resolve().parents[4]  # <env>/lib/pythonX.Y/site-packages/torch
-    if not (env / "pyvenv.cfg").exists() or not env.name.startswith("py3"):
-        pytest.skip(f"torch comes from {env}, not from a tox environment")
-    return env
-
-
-def _tox_env(shared: Path) -> dict[str, str]:
-    """A user's shell: no tox or venv variables of the run around this test, no
-    KVCONFORM_* but the shared directory and the guard against building."""
+def _user_env() -> dict[str, str]:
+    """A user's shell: none of the tox run's or venv's variables around this test."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TOX_", "KVCONFORM_", "PYTEST_", "VIRTUAL_ENV", "PYTHON"))}
+           if not k.startswith(("TOX_", "KVCONFORM_", "PYTEST_", "VIRTUAL_ENV", "PYTHON",
+                                "UV_"))}
     inner = os.environ.get("VIRTUAL_ENV")
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
                                   if not inner or not p.startswith(inner))
-    env["KVCONFORM_SHARED_ENV_DIR"] = str(shared.parent)
-    env["KVCONFORM_SHARED_ENV_NO_BUILD"] = "1"
     return env
+
+
+def _tox_config(env_name: str, key: str) -> str:
+    done = subprocess.run([_tox(), "config", "-e", env_name, "-k", key], cwd=REPO,
+                          env=_user_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_the_default_environment_takes_torch_from_the_registry() -> None:
+    set_env = _tox_config(DEFAULT, "set_env")
+    assert "UV_OVERRIDE" not in set_env and "UV_FIND_LINKS" not in set_env, set_env
+    deps = (REPO / "requirements" / "vllm030.txt").read_text()
+    assert "torch==2.13.0\n" in deps and "torchvision==" in deps, deps
+    assert "find-links" not in deps and "+cpu" not in deps
+
+
+def test_the_cputorch_environment_swaps_in_the_cpu_build() -> None:
+    set_env = _tox_config(f"{DEFAULT}-cputorch", "set_env")
+    override = REPO / "requirements" / "cputorch-override.txt"
+    assert f"UV_OVERRIDE={override}" in set_env, set_env
+    assert "torch==2.13.0+cpu" in override.read_text()
+    excluded = (REPO / "requirements" / "cputorch-exclude.txt").read_text().split()
+    assert {"torchvision", "torchaudio", "torchcodec"} <= set(excluded)
 
 
 def _clone(where: Path) -> Path:
@@ -86,97 +92,23 @@ def _clone(where: Path) -> Path:
     return where
 
 
-def _where(python: Path, cwd: Path) -> list[Path]:
-    done = subprocess.run([str(python), "-c", WHERE], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env={"PATH": "/usr/bin:/bin"})
-    assert done.returncode == 0, done.stderr[-2000:]
-    return [Path(line).resolve() for line in done.stdout.split()]
-
-
-def test_two_clones_each_test_their_own_code_and_survive_each_other(tmp_path: Path) -> None:
-    tox = shutil.which("tox")
-    if tox is None:
-        pytest.skip("tox is not on PATH (README: python3 -m pip install tox)")
-    shared = _shared_env()
-    name = shared.name
-    toxfile = _toxfile()
-    wanted = toxfile.requirement_lines(REPO / "requirements" / f"{name.split('-')[1]}.txt")
-    lacking = toxfile.unmet(toxfile._probe(shared / "bin" / "python")["dists"], wanted, [])
-    if lacking:
-        pytest.skip(f"{shared} does not meet this checkout's pins ({'; '.join(lacking)}); "
-                    f"this test never builds one")
+def test_two_clones_each_own_their_environment_and_survive_each_other(
+        tmp_path: Path) -> None:
+    tox = _tox()
     clones = [_clone(tmp_path / "a"), _clone(tmp_path / "b")]
-    env = _tox_env(shared)
-    runs = [subprocess.Popen([tox, "-e", name, "--", "tests/test_which.py", "-q", "-p",
-                              "no:randomly", "-p", "no:cacheprovider"], cwd=clone, env=env,
-                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    argv = [tox, "-e", DEFAULT, "--", "tests/test_which.py", "-q", "-p", "no:cacheprovider"]
+    runs = [subprocess.Popen(argv, cwd=clone, env=_user_env(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             for clone in clones]  # at the same time
     for run in runs:
         out, _ = run.communicate(timeout=600)
         assert run.returncode == 0, out[-4000:]
         assert "1 passed" in out, out[-4000:]
     for clone in clones:
-        light = clone / ".tox" / name
-        python = light / "bin" / "python"
-        code, dist = _where(python, cwd=tmp_path)  # from neither clone
-        assert code.is_relative_to(clone) and dist.is_relative_to(light), (clone, code, dist)
-        site = next(light.glob("lib/python3*/site-packages"))
-        assert not (site / "torch").exists(), "the heavy packages must stay shared"
-        assert str(shared) in (site / toxfile.LINK_PTH).read_text()
+        site = next((clone / ".tox" / DEFAULT).glob("lib/python3*/site-packages"))
+        assert (site / "torch").is_dir(), "each clone's environment is complete"
         assert not list(clone.rglob("{homedir}")) and not (clone / ".venv").exists()
-
     shutil.rmtree(clones[1])
-    a = clones[0]
-    assert _where(a / ".tox" / name / "bin" / "python", cwd=tmp_path)[0].is_relative_to(a)
-    again = subprocess.run([tox, "-e", name, "--", "tests/test_which.py", "-q", "-p",
-                            "no:randomly", "-p", "no:cacheprovider"], cwd=a, env=env,
-                           text=True, capture_output=True, timeout=600)
+    again = subprocess.run(argv, cwd=clones[0], env=_user_env(), text=True,
+                           capture_output=True, timeout=600)
     assert again.returncode == 0 and "1 passed" in again.stdout, again.stdout[-4000:]
-    assert (shared / "bin" / "python").exists()
-
-
-# --- toxfile.py's pieces ------------------------------------------------------------------
-
-
-def test_requirement_lines_follow_includes_and_leave_options_out(tmp_path: Path) -> None:
-    (tmp_path / "base.txt").write_text("# shared\npytest==9.2.0  # pinned\n\n")
-    (tmp_path / "env.txt").write_text("-r base.txt\n--index-url https://example.invalid\n"
-                                      "torch==2.13.0\n-r base.txt\n")
-    assert _toxfile().requirement_lines(tmp_path / "env.txt") == ["pytest==9.2.0",
-                                                                  "torch==2.13.0"]
-
-
-def test_unmet_names_what_a_shared_environment_lacks() -> None:
-    toxfile = _toxfile()
-    installed = {"torch": "2.13.0+cpu", "Pytest": "9.1.0", "torchvision": "0.28.0"}
-    assert toxfile.unmet(installed, ["torch==2.13.0"], []) == []  # a local build is that pin
-    assert toxfile.unmet(installed, ["pytest==9.2.0", "vllm==0.30.0", "torch"],
-                         ["torchvision", "torchaudio"]) == [
-        "pytest==9.2.0 (installed: 9.1.0)", "vllm==0.30.0 (installed: none)",
-        "torchvision (must be absent)"]
-
-
-def test_link_points_the_light_environment_at_the_shared_one(tmp_path: Path) -> None:
-    """This interpreter stands in for the shared environment (it meets the project's deps)."""
-    import sys
-    import sysconfig
-
-    toxfile = _toxfile()
-    pth = toxfile.link(tmp_path, sys.version_info[:2], Path(sys.executable))
-    assert pth == tmp_path / "kvconform-shared-env.pth"
-    assert pth.read_text() == (f"import site; site.addsitedir("
-                               f"{sysconfig.get_paths()['purelib']!r})\n")
-    with pytest.raises(RuntimeError, match=r"runs Python 3\.\d+, this environment 2\.7"):
-        toxfile.link(tmp_path, (2, 7), Path(sys.executable))
-
-
-def test_the_old_work_dir_variable_is_refused_by_name(tmp_path: Path) -> None:
-    import sys
-
-    done = subprocess.run([sys.executable, str(REPO / "toxfile.py")], capture_output=True,
-                          text=True,
-                          env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin",
-                               "KVCONFORM_TOX_WORK_DIR": str(tmp_path / "old")}, timeout=60)
-    assert done.returncode != 0
-    assert "$KVCONFORM_TOX_WORK_DIR is set" in done.stderr
-    assert "Set $KVCONFORM_SHARED_ENV_DIR" in done.stderr
