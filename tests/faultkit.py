@@ -421,6 +421,8 @@ STARTUP_XFAILS = '''
 [[xfail]]
 backend = "*"
 clause = "KV-L8"
+test = "test_kv_l8_alias"
+match = "KeyError"
 reason = "known"
 '''
 

@@ -321,8 +321,10 @@ def test_harness_kind_classifies_what_escapes_a_check() -> None:
 def test_xfail_entries_absorb_errors_only_when_they_say_so(tmp_path: Path, value: str,
                                                            absorbs: set[str]) -> None:
     f = tmp_path / "x.toml"
-    f.write_text(f'[[xfail]]\nbackend = "A"\nclause = "KV-A3"\nreason = "r"\nerrors = {value}\n'
-                 '[[xfail]]\nbackend = "A"\nclause = "KV-A3"\nreason = "plain"\n')
+    f.write_text(f'[[xfail]]\nbackend = "A"\nclause = "KV-A3"\ntest = "test_kv_a3"\n'
+                 f'reason = "r"\nerrors = {value}\nmatch = "x"\n'
+                 '[[xfail]]\nbackend = "A"\nclause = "KV-A3"\ntest = "test_kv_a3"\n'
+                 'reason = "plain"\nmatch = "x"\n')
     with_key, plain = xfails.load_xfails(f)
     assert {k for k in outcome_rule.ErrorKind if with_key.absorbs_error(k.value)} == absorbs
     assert not any(plain.absorbs_error(k.value) for k in outcome_rule.ErrorKind)
@@ -330,7 +332,8 @@ def test_xfail_entries_absorb_errors_only_when_they_say_so(tmp_path: Path, value
 
 def test_xfail_errors_key_is_validated(tmp_path: Path) -> None:
     f = tmp_path / "x.toml"
-    f.write_text('[[xfail]]\nbackend = "A"\nclause = "KV-A3"\nreason = "r"\nerrors = "gremlin"\n')
+    f.write_text('[[xfail]]\nbackend = "A"\nclause = "KV-A3"\ntest = "test_kv_a3"\n'
+                 'reason = "r"\nerrors = "gremlin"\n')
     with pytest.raises(xfails.XfailFileError, match=r"x\.toml: \[\[xfail\]\] entry 1: key "
                        r"'errors': unknown harness-error kind 'gremlin'"):
         xfails.load_xfails(f)
@@ -514,6 +517,8 @@ def test_ctrl_c_before_collection_warns_of_no_stale_entry(pytester: pytest.Pytes
         [[xfail]]
         backend = "*"
         clause = "KV-L8"
+        test = "test_kv_l8_alias"
+        match = "KeyError"
         reason = "would match, had collection run"
     ''')
     result = pytester.runpytest(*KV_ARGS, "--kv-xfails", str(known), "--kv-report", "r.json",
@@ -557,6 +562,8 @@ def test_plugin_bug_is_an_error_never_a_failure(pytester: pytest.Pytester, kv_ru
         [[xfail]]
         backend = "GOOD"
         clause = "KV-L1"
+        test = "test_kv_l1"
+        match = "."
         reason = "a clause failure only"
     ''')
     result = kv_run(*KV_L1, "--kv-xfails", str(plain), "--kv-report", "r.json")
@@ -572,6 +579,7 @@ def test_plugin_bug_is_an_error_never_a_failure(pytester: pytest.Pytester, kv_ru
         [[xfail]]
         backend = "GOOD"
         clause = "KV-L1"
+        test = "test_kv_l1"
         reason = "the harness is known broken here"
         errors = ["harness"]
     ''')
@@ -617,6 +625,8 @@ def test_killed_worker_is_an_error_of_kind_worker_died(pytester: pytest.Pytester
         [[xfail]]
         backend = "*"
         clause = "KV-A3"
+        test = "test_kv_a3_seam"
+        match = "."
         reason = "would silently absorb a crash if errors matched"
     ''')
     result = kv_run("-k", "test_kv_a3_seam and need_False and bf16_h8", "--kv-xfails",
