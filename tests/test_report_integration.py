@@ -68,8 +68,8 @@ def test_xfails_match_and_stale_entry_warned(pytester: pytest.Pytester, kv_run) 
     ''')
     result = kv_run(*SELECT, "-rx", "--kv-xfails", str(xf), "--kv-report", "r.json")
     result.assert_outcomes(passed=1, xfailed=1)
-    result.stdout.fnmatch_lines(["*stale xfail entry known.toml:2 NOT_THERE/KV-L2/test_kv_l2 matched no "
-                                 "test*"])
+    result.stdout.fnmatch_lines(["*stale xfail entry known.toml:2 NOT_THERE/KV-L2/test_kv_l2 "
+                                 "matched no test*"])
     statuses = {r["backend"]: r["status"] for r in _results(pytester.path / "r.json")}
     assert statuses == {"GOOD": "passed", "INT_FLAG": "xfailed"}
 

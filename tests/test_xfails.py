@@ -82,13 +82,16 @@ def test_empty_file_gives_no_entries(tmp_path: Path) -> None:
 def test_matches(entries: list[XfailEntry]) -> None:
     flash, padded = entries
     assert flash.matches("FLASH_ATTN", "KV-L6", None, None, "test_kv_l6")
-    assert flash.matches("FLASH_ATTN", "KV-L6", "any-case", "LBHNC", "test_kv_l6")  # unset fields match any
+    # unset fields match any
+    assert flash.matches("FLASH_ATTN", "KV-L6", "any-case", "LBHNC", "test_kv_l6")
     assert not flash.matches("SAGE", "KV-L6", None, None)
     assert not flash.matches("FLASH_ATTN", "KV-L7", None, None)
     assert not flash.matches(None, "KV-L6", None, None)
-    assert padded.matches(None, "KV-S4", "padded", "BLNHC", "test_kv_s4")  # "*" names upstream tests too
+    # "*" names upstream tests too
+    assert padded.matches(None, "KV-S4", "padded", "BLNHC", "test_kv_s4")
     assert padded.matches("SAGE", "KV-S4", "padded", "BLNHC", "test_kv_s4")
-    assert not flash.matches("FLASH_ATTN", "KV-L6", None, None, "test_kv_l6_seam")
+    assert not flash.matches("FLASH_ATTN", "KV-L6", None, None,
+                             "test_kv_l6_seam")
     assert not padded.matches(None, "KV-S4", "padded", "LBNHC")
     assert not padded.matches(None, "KV-S4", "split", "BLNHC")
     assert not padded.matches(None, "KV-S4", None, "BLNHC")
@@ -131,19 +134,23 @@ def test_stale_entries(entries: list[XfailEntry]) -> None:
     assert stale_entries(entries, set(), versions=V030, device_kind="cpu") == [flash]
 
 
+L6 = 'backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nmatch = "m"\nreason = "r"\n'
+
+
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nmatch = "m"\nreason = "r"\n'
-         'backends = "B"',
+        (L6 + 'backends = "B"',
          r"entry 2: key 'backends': unknown key"),
-        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"', r"entry 2: key 'reason': missing"),
+        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"',
+         r"entry 2: key 'reason': missing"),
         ('backend = "A"\nclause = "KV-L6"\nreason = "r"',
          r"entry 2: key 'test': missing \(required\): the failing control, one suite test "
          r"function \(e.g. 'test_kv_l6'\)"),
         ('backend = "A"\nclause = "KV-L6"\ntest = "*"\nmatch = "m"\nreason = "r"',
          r"entry 2: key 'test': '\*' names no control; name the failing suite test of KV-L6"),
-        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6_nope"\nmatch = "m"\nreason = "r"',
+        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6_nope"\nmatch = "m"\n'
+         'reason = "r"',
          r"entry 2: key 'test': unknown suite test 'test_kv_l6_nope'; the tests of KV-L6 are "
          r"test_kv_l6, test_kv_l6_seam"),
         ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l2"\nmatch = "m"\nreason = "r"',
@@ -153,20 +160,21 @@ def test_stale_entries(entries: list[XfailEntry]) -> None:
         ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nskip = "not-applicable"\n'
          'reason = "r"', r"entry 2: key 'skip': must be one of hardware, environment, backend"),
         ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nreason = "   "', r"entry 2: key 'reason': must be a"),
-        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nmatch = "m"\nreason = "r"\nvllm = "~=banana"',
+        (L6 + 'vllm = "~=banana"',
          r"entry 2: key 'vllm': bad PEP 440 specifier '~=banana'"),
-        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nmatch = "m"\nreason = "r"\nvllm_omni = "0.30"',
+        (L6 + 'vllm_omni = "0.30"',
          r"entry 2: key 'vllm_omni': bad PEP 440 specifier"),
         ('backend = "A"\nclause = "L6"\ntest = "test_kv_l6"\nreason = "r"',
          r"entry 2: key 'clause': bad clause id 'L6'"),
         ('backend = "A"\nclause = "KV-X1"\ntest = "test_kv_l6"\nreason = "r"', r"key 'clause': bad clause id"),
-        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nmatch = "m"\nreason = "r"\ndevice = "tpu"',
+        (L6 + 'device = "tpu"',
          r"entry 2: key 'device': must be one of cpu, cuda"),
         ('backend = 3\nclause = "KV-L6"\ntest = "test_kv_l6"\nreason = "r"', r"entry 2: key 'backend': must be a"),
     ],
 )
 def test_bad_entry_names_file_index_and_key(tmp_path: Path, body: str, expected: str) -> None:
-    ok = '[[xfail]]\nbackend = "A"\nclause = "KV-L1"\ntest = "test_kv_l1"\nmatch = "m"\nreason = "fine"\n\n'
+    ok = ('[[xfail]]\nbackend = "A"\nclause = "KV-L1"\ntest = "test_kv_l1"\nmatch = "m"\n'
+          'reason = "fine"\n\n')
     path = write(tmp_path, ok + "[[xfail]]\n" + body + "\n", name="known.toml")
     with pytest.raises(XfailFileError, match=expected) as info:
         load_xfails(path)
@@ -224,8 +232,8 @@ def test_an_entry_must_describe_its_failure(tmp_path: Path) -> None:
 def test_an_entry_absorbs_only_the_failure_it_describes(tmp_path: Path) -> None:
     """Every problem of the failure must contain the pattern: one more problem is another
     failure; a skip entry declares skips of its kind (and reason) only."""
-    path = write(tmp_path, '[[xfail]]\nbackend = "*"\nclause = "KV-L8"\ntest = "test_kv_l8_alias"\n'
-                 'match = "raised a bare KeyError"\nreason = "r"\n'
+    path = write(tmp_path, '[[xfail]]\nbackend = "*"\nclause = "KV-L8"\n'
+                 'test = "test_kv_l8_alias"\nmatch = "raised a bare KeyError"\nreason = "r"\n'
                  '[[xfail]]\nbackend = "X"\nclause = "*"\ntest = "*"\nskip = "backend"\n'
                  'match = "No module named \'x3\'"\nreason = "r"\n')
     alias, skip = load_xfails(path)
