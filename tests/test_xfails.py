@@ -159,17 +159,20 @@ L6 = 'backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nmatch = "m"\nreason 
          'reason = "r"', r"entry 2: key 'match': not a regular expression"),
         ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nskip = "not-applicable"\n'
          'reason = "r"', r"entry 2: key 'skip': must be one of hardware, environment, backend"),
-        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nreason = "   "', r"entry 2: key 'reason': must be a"),
+        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nreason = "   "',
+         r"entry 2: key 'reason': must be a"),
         (L6 + 'vllm = "~=banana"',
          r"entry 2: key 'vllm': bad PEP 440 specifier '~=banana'"),
         (L6 + 'vllm_omni = "0.30"',
          r"entry 2: key 'vllm_omni': bad PEP 440 specifier"),
         ('backend = "A"\nclause = "L6"\ntest = "test_kv_l6"\nreason = "r"',
          r"entry 2: key 'clause': bad clause id 'L6'"),
-        ('backend = "A"\nclause = "KV-X1"\ntest = "test_kv_l6"\nreason = "r"', r"key 'clause': bad clause id"),
+        ('backend = "A"\nclause = "KV-X1"\ntest = "test_kv_l6"\nreason = "r"',
+         r"key 'clause': bad clause id"),
         (L6 + 'device = "tpu"',
          r"entry 2: key 'device': must be one of cpu, cuda"),
-        ('backend = 3\nclause = "KV-L6"\ntest = "test_kv_l6"\nreason = "r"', r"entry 2: key 'backend': must be a"),
+        ('backend = 3\nclause = "KV-L6"\ntest = "test_kv_l6"\nreason = "r"',
+         r"entry 2: key 'backend': must be a"),
     ],
 )
 def test_bad_entry_names_file_index_and_key(tmp_path: Path, body: str, expected: str) -> None:
