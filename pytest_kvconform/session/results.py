@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.adapters import run_env
-from pytest_kvconform.contract.clauses import clause_from_test_name, skip_forgiven
+from pytest_kvconform.contract.clauses import clause_from_test_name
 from pytest_kvconform.contract.outcome_rule import ERROR_KIND_PROPERTY, harness_kind
 from pytest_kvconform.contract.outcomes import (
     ClauseFailure,
@@ -151,21 +151,17 @@ class KvResults:
         _differs(report, entries[0] if entries else None)
 
     def _known_skip(self, item: pytest.Item, report: pytest.TestReport) -> None:
-        """A skip the clause table does not forgive is declared only by an entry that
-        describes it (its kind and reason); one that differs fails, naming the entry."""
+        """A skip is declared only by an entry that describes it (its kind and reason):
+        any other stays a plain skip, which strict mode judges by the clause table."""
         entries = self.selection.item_entries.get(item.nodeid, [])
         props = dict(report.user_properties)
         kind = props.get(SKIP_KIND_PROPERTY)
-        if not entries or skip_forgiven(str(props.get("kv_clause")), kind):
-            return
-        reason = _skip_reason(report)
-        found = next((e for e in entries if e.describes_skip(kind, reason)), None)
+        found = next((e for e in entries if e.describes_skip(kind, _skip_reason(report))), None)
         if found is not None:
             _declared_by(report, found)
-            return
-        report.outcome = "failed"
-        report.longrepr = f"skipped ({kind or 'unclassified'}): {reason}"
-        _differs(report, entries[0])
+        else:
+            report.user_properties = [(k, v) for k, v in report.user_properties
+                                      if k != XFAIL_PROPERTY]
 
     def _mark_seeded_fault(self, item: pytest.Item, report: pytest.TestReport) -> None:
         """Commands went to the KV-A workers under a seeded fault during this test: its
