@@ -86,9 +86,14 @@ def test_strict_mode_fails_on_xpass_and_names_verdict(pytester: pytest.Pytester,
         reason = "claims a failure that is fixed"
     ''')
     result = kv_run("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-xfails", str(xf),
-                    "--kv-strict")
+                    "--kv-strict", "--kv-report", "r.json")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*kvconform: verdict: not qualified*"])
+    result.stdout.fnmatch_lines(["*kvconform: verdict: not qualified (xpassed (a known finding "
+                                 "no longer fails: remove its entry): KV-L1 test_kv_l1[[]GOOD]; "
+                                 "left out: *"])
+    (row,) = _results(pytester.path / "r.json")
+    assert row["status"] == "xpassed"  # pytest fails it (strict); the report says what it is
+    assert row["reason"].startswith("[XPASS(strict)] known: claims a failure that is fixed")
 
 
 def test_strict_mode_forgives_missing_hardware_only(pytester: pytest.Pytester, kv_run) -> None:

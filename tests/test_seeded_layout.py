@@ -106,8 +106,8 @@ def test_l5_silent_assertion_fails_the_contradiction_control(kv_run, seed: Seede
     seed.replace(ASSERTION, lambda vllm_config, attn_backend: None)
     result = kv_run("-k", "kv_l5", *SDPA)
     expect_run(result, failed=1, passed=2, clauses=["KV-L5"],
-               lines=["*_ test_kv_l5_contradiction?TORCH_SDPA? _*", "*KV-L5 violated*TORCH_SDPA*stayed silent for "
-                      "layout BLHNC*"])
+               lines=["*_ test_kv_l5_contradiction?TORCH_SDPA? _*",
+                      "*KV-L5 violated*TORCH_SDPA*stayed silent for layout BLHNC*"])
 
 
 def test_l5_assertion_raising_unresolved_fails_only_that_control(kv_run, seed: Seeder) -> None:
@@ -123,8 +123,8 @@ def test_l5_assertion_raising_unresolved_fails_only_that_control(kv_run, seed: S
     seed.replace(ASSERTION, eager)
     result = kv_run("-k", "kv_l5", *SDPA)
     expect_run(result, failed=1, passed=2, clauses=["KV-L5"], lines=[
-        "*_ test_kv_l5_unresolved?TORCH_SDPA? _*", "*KV-L5 violated*TORCH_SDPA*raised while the layout is "
-        "unresolved*"])
+        "*_ test_kv_l5_unresolved?TORCH_SDPA? _*",
+        "*KV-L5 violated*TORCH_SDPA*raised while the layout is unresolved*"])
 
 
 def test_l5_assertion_refusing_everything_fails_only_the_consistent_control(
@@ -136,8 +136,8 @@ def test_l5_assertion_refusing_everything_fails_only_the_consistent_control(
     seed.replace(ASSERTION, refusing)
     result = kv_run("-k", "kv_l5", *SDPA)
     expect_run(result, failed=1, passed=2, clauses=["KV-L5"], lines=[
-        "*_ test_kv_l5_consistent?TORCH_SDPA? _*", "*KV-L5 violated*TORCH_SDPA*raised for layout LBHNC, which is "
-        "consistent*"])
+        "*_ test_kv_l5_consistent?TORCH_SDPA? _*",
+        "*KV-L5 violated*TORCH_SDPA*raised for layout LBHNC, which is consistent*"])
 
 
 def test_l6_block_stride_backend_fails_on_the_control_plane(kv_run,
@@ -264,9 +264,10 @@ def test_l8_an_adoption_that_accepts_every_layout_fails_the_worker_disagreement(
     seed.replace("vllm_omni.diffusion.diffusion_kv.layout.adopt_kv_cache_layout", accepting)
     result = kv_run("-k", "kv_l8_worker", *SDPA)
     expect_run(result, failed=1, passed=1, clauses=["KV-L8"], lines=[
-        "*_ test_kv_l8_worker_disagreement?TORCH_SDPA? _*", "*KV-L8 violated*TORCH_SDPA*a worker whose "
-        "CacheConfig.kv_cache_layout='LHBNC' must refuse the control plane's 'LBHNC' (another "
-        "layout, not an alias of it), but adoption accepted it*"])
+        "*_ test_kv_l8_worker_disagreement?TORCH_SDPA? _*",
+        "*KV-L8 violated*TORCH_SDPA*a worker whose CacheConfig.kv_cache_layout='LHBNC' must "
+        "refuse the control plane's 'LBHNC' (another layout, not an alias of it), but adoption "
+        "accepted it*"])
 
 
 def test_l6_stand_in_override_is_restored(kv_run) -> None:

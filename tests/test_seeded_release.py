@@ -12,7 +12,9 @@ known finding as fixed.  (A restricted run is ``partial`` at best; a failure mak
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 from importlib import resources
 from pathlib import Path
@@ -29,18 +31,20 @@ KNOWN = str(resources.files("pytest_kvconform.known") / "vllm_omni_0_30.toml")
 FIXED = "xpassed (a known finding no longer fails"
 
 
-def release_run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, regression: str,
-                *selection: str) -> tuple[str, dict[str, Any]]:
-    """The strict release run under ``regression``: its verdict line and its report."""
-    monkeypatch.setenv("PYTHONPATH", overlay(pytester.path / "overlay", regression))
-    monkeypatch.delenv("KVCONFORM_WORKER_FAULT", raising=False)
-    result = pytester.runpytest_subprocess(
-        *KV_ARGS, "--kv-strict", "-rA", "--kv-xfails", KNOWN, "--kv-report", "r.json",
-        *selection, timeout=900)
-    out = result.stdout.str()
-    assert result.ret == pytest.ExitCode.TESTS_FAILED, out[-4000:]
+def release_run(tmp_path: Path, regression: str, *selection: str) -> tuple[str, dict[str, Any]]:
+    """The strict release run under ``regression`` (a subprocess: this process imports no
+    serving stack for it): its verdict line and its report."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KVCONFORM_WORKER_FAULT", "PYTEST_ADDOPTS")}
+    env["PYTHONPATH"] = overlay(tmp_path / "overlay", regression)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *KV_ARGS, "--kv-strict", "-rA", "--kv-xfails", KNOWN,
+         "--kv-report", "r.json", *selection], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=900, check=False)
+    out = proc.stdout
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, out[-4000:] + proc.stderr[-2000:]
     (line,) = re.findall(r"^kvconform: verdict: (.*)$", out, re.MULTILINE)
-    report = json.loads((pytester.path / "r.json").read_text())
+    report = json.loads((tmp_path / "r.json").read_text())
     assert report["verdict"] == "not qualified"
     assert line.startswith("not qualified (")
     assert FIXED not in line and "XPASS" not in line, line
@@ -51,12 +55,11 @@ def statuses(report: dict[str, Any]) -> dict[str, str]:
     return {r["nodeid"].rpartition("::")[2]: r["status"] for r in report["results"]}
 
 
-def test_adoption_without_the_disagreement_check(pytester: pytest.Pytester,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_adoption_without_the_disagreement_check(tmp_path: Path) -> None:
     """The worker alias "passes" only because every disagreement is now accepted: its
     control fails, so no fix is claimed; KV-A4's disagreement control fails on its own
     beside the known contradiction."""
-    line, report = release_run(pytester, monkeypatch, "no_disagreement_check",
+    line, report = release_run(tmp_path, "no_disagreement_check",
                                "--kv-backend", "FLASH_ATTN", "-k",
                                "(kv_a4 and bf16_h8) or kv_l8_worker")
     assert statuses(report) == {
@@ -85,11 +88,10 @@ def test_adoption_without_the_disagreement_check(pytester: pytest.Pytester,
         reasons["test_kv_l8_worker_disagreement[FLASH_ATTN]"]
 
 
-def test_a_worker_path_without_the_unresolved_layout_check(
-        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_worker_path_without_the_unresolved_layout_check(tmp_path: Path) -> None:
     """init_kv_cache allocating a default layout nobody resolved: the unadopted control
     fails on its own, whatever the contradiction control's known finding does."""
-    line, report = release_run(pytester, monkeypatch, "no_unresolved_check",
+    line, report = release_run(tmp_path, "no_unresolved_check",
                                "--kv-backend", "FLASH_ATTN", "-k", "kv_a4 and bf16_h8")
     got = statuses(report)
     assert {t: s for t, s in got.items() if "unadopted" in t} == {
@@ -105,13 +107,12 @@ def test_a_worker_path_without_the_unresolved_layout_check(
                if r["status"] == "failed")
 
 
-def test_resolution_without_the_contradiction_check(pytester: pytest.Pytester,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolution_without_the_contradiction_check(tmp_path: Path) -> None:
     """A contradicting pinned layout accepted: the refusal controls of KV-L4, KV-L5 and
     KV-L8 fail, their neighbours pass, the known KV-L8 findings stay absorbed as they
     describe themselves, and no finding reads as fixed.  (KV-A4's contradiction control
     fails as its known finding says either way: the tests above show it absorbed.)"""
-    line, report = release_run(pytester, monkeypatch, "no_contradiction_check",
+    line, report = release_run(tmp_path, "no_contradiction_check",
                                "--kv-backend", "FLASH_ATTN", "-k", "kv_l4 or kv_l5 or kv_l8")
     got = statuses(report)
     failed = sorted(t for t, s in got.items() if s == "failed")

@@ -118,7 +118,7 @@ class XfailEntry:
 
     def expectation(self) -> str:
         """What the entry expects, in words: ``a failure matching 'KeyError'``."""
-        pattern = f" matching {self.match.pattern!r}" if self.match is not None else ""
+        pattern = f" matching /{self.match.pattern}/" if self.match is not None else ""
         if self.skip is not None:
             return f"a {self.skip} skip{pattern}"
         described = [f"a failure{pattern}"] if self.match is not None else []
