@@ -369,6 +369,7 @@ def as_rows() -> list[dict[str, Any]]:
     return [{"clause": c.id, "family": c.family, "title": c.title, "applies_to": c.applies_to,
              "forgiven": sorted(k.value for k in c.forgiven),
              "tests": [c.test_name(k) for k in c.checks],
+             "controls": {c.test_name(k): list(k.controls) for k in c.checks if k.controls},
              "checks": [k.function for k in c.checks]} for c in CLAUSES]
 
 
@@ -380,10 +381,15 @@ CLAUSE_LIST_END = "<!-- /clause-table -->"
 def markdown_table() -> str:
     """The README's clause list, between its markers (a test compares the two)."""
     lines = [CLAUSE_LIST_BEGIN, "",
-             "| clause | title | applies to | a skip is forgiven for | suite tests |",
-             "|---|---|---|---|---|"]
+             "| clause | title | applies to | a skip is forgiven for | suite tests (one per "
+             "control) | a pass is a fix only while |",
+             "|---|---|---|---|---|---|"]
     for row in as_rows():
         tests = ", ".join(f"`{t}`" for t in row["tests"])
+        controls = "; ".join(
+            f"`{t}`: " + ", ".join(f"`{c}`" + (" (its other needs)" if c == t else "")
+                                   for c in cs) + " holds"
+            for t, cs in row["controls"].items())
         lines.append(f"| {row['clause']} | {row['title']} | {row['applies_to']} | "
-                     f"{', '.join(row['forgiven'])} | {tests} |")
+                     f"{', '.join(row['forgiven'])} | {tests} | {controls} |")
     return "\n".join([*lines, "", CLAUSE_LIST_END])
