@@ -2,7 +2,8 @@
 
 Registered as a plugin by :class:`~pytest_kvconform.session.run.KvSession`.  Each suite
 test's reports become typed :class:`~pytest_kvconform.contract.records.ResultRow` rows (a
-harness fault classified on the way, so no xfail entry absorbs it uninvited; a test
+harness fault classified on the way, so no xfail entry absorbs it uninvited; a failure
+no known finding describes stays a failure, naming the entry it differs from; a test
 whose xdist worker died becomes a ``worker-died`` error; a test that drove its KV-A
 workers under a seeded fault says so); at the end of the run they are judged against
 the selection and, as mappings, handed to ``report/build.py`` for the terminal matrix, the
@@ -96,7 +97,8 @@ class KvResults:
     def pytest_runtest_makereport(self, item: pytest.Item,
                                   call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
         """A harness fault carries its kind, and no xfail entry absorbs it uninvited; a
-        test that drove its KV-A workers under a seeded fault names it."""
+        known finding absorbs only the failure (or declares only the skip) it describes;
+        a test that drove its KV-A workers under a seeded fault names it."""
         report = yield
         if not any(k == "kv_clause" for k, _ in item.user_properties):
             return report
