@@ -6,7 +6,7 @@ its working directory (the clone's root), one entry per leg::
 
     {"legs": {"py311-a": {"description": "...", "deps": "-r requirements/a.txt",
                           "build": "ok" | "uv-error", "probe": {...} | "crash",
-                          "suite": "qualified" | "failing" | "no-report"}}}
+                          "suite": "qualified" | "failing" | "no-report" | "hang"}}}
 
 A suite run writes a report built by production's ``build_report`` (``tests/report_rows``)
 to the ``--kv-report`` path, with the probe's versions; it takes no time and imports no vLLM.
@@ -15,7 +15,9 @@ to the ``--kv-report`` path, with the probe's versions; it takes no time and imp
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,10 @@ def main(argv: list[str]) -> int:
         print(f"{argv[1]}: OK")
         return 0
     args = argv[argv.index("--") + 1:]
+    if spec["suite"] == "hang":  # until interrupted, its pid where the test looks
+        Path("fake_tox.pid").write_text(str(os.getpid()))
+        time.sleep(120)
+        return 3
     if spec["suite"] == "no-report":
         print("ERROR: usage: pytest [options]\npytest: error: unrecognized arguments: --kv-x")
         return 4

@@ -67,11 +67,12 @@ def test_cli_exits_1_on_a_new_failure_only(tmp_path: Path, capsys: Any) -> None:
     assert main(["diff", str(a), str(b)]) == 1
     text = capsys.readouterr().out
     assert "**1 new failure(s), 2 fixed (1 stale known finding(s)), 2 newly unchecked, " \
-           "1 newly checked, 0 newly declared known; 1 still failing**" in text
+           "1 newly checked, 0 newly declared known, 0 checked through another entry point; " \
+           "1 still failing**" in text
     assert "- `test_kv_l1[GOOD]` (KV-L1, GOOD): passed -> failed: KV-L1 violated: returned 1" \
         in text
     assert f"- `test_kv_l8_alias[GOOD]` (KV-L8, GOOD): xfailed -> passed (stale known finding: " \
-           f"{KNOWN}): (no reason given)" in text
+           f"{KNOWN})\n" in text
     assert "- KV-S1 (1 result; (upstream)): passed -> skipped (environment skip): vllm-omni " \
            "not installed" in text
     assert "- vllm_omni: 0.30.0 -> not installed" in text
@@ -123,3 +124,17 @@ def test_two_matrices_are_compared_leg_by_leg(tmp_path: Path, capsys: Any) -> No
     text = capsys.readouterr().out
     assert "**1 new failure(s) over 1 leg(s) that ran in both**" in text
     assert "## py311-a" in text
+
+
+def test_a_result_checked_through_another_entry_point_is_listed() -> None:
+    via = "vLLM alone (vllm-omni not installed): vLLM's engine-core control plane"
+    a = build([row("s::test_kv_n2[bf16_h8]", "KV-N2", backend=None)])
+    b = build([row("s::test_kv_n2[bf16_h8]", "KV-N2", backend=None, via=via)])
+    diff = diff_reports(a, b)
+    assert [(c.test, c.note) for c in diff.rerouted] == [("test_kv_n2[bf16_h8]", f"via {via}")]
+    assert not (diff.new_failures or diff.fixed or diff.newly_unchecked or diff.newly_checked)
+
+
+def test_ci_does_not_run_the_matrix() -> None:
+    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    assert "kvconform matrix" not in ci and "-m matrix" not in ci

@@ -66,7 +66,7 @@ def test_every_leg_is_named_with_its_outcome(clone: Path, tmp_path: Path) -> Non
     assert failing["verdict"] == "not qualified"
     assert failing["reason"] == (
         "vllm-omni 0.30.0 does not import on vLLM 0.31.0: ImportError: cannot import name "
-        "'RoutedExpertsLists'; 1 failed in KV-L6 (KV-L6 violated [backend=GOOD]: pinned "
+        "'RoutedExpertsLists'; 1 failed in KV-L6 (KV-L6 violated: pinned "
         "LBNHC); 1 skipped and not forgiven in KV-A1 (vllm-omni not installed)")
     assert (unbuilt["state"], unbuilt["verdict"], unbuilt["report"]) == ("not built", None, None)
     assert unbuilt["reason"].startswith("uv: No solution found when resolving dependencies: "
@@ -98,7 +98,7 @@ def test_cli_writes_validates_and_shows_the_combined_report(clone: Path, tmp_pat
     assert "| stack | leg | KV-L1 | KV-L6 | KV-S1 | KV-A1 |" in shown
     assert "| vLLM 0.31.0 / vllm-omni 0.30.0 / torch 2.13.0 | py311-vllm031 | pass 1/1 | " \
            "fail 1/1[^1] | pass 1/1 | skip 1/1[^2] |" in shown
-    assert "[^1]: fail: KV-L6 violated [backend=GOOD]: pinned LBNHC" in shown
+    assert "[^1]: fail: KV-L6 violated: pinned LBNHC" in shown
     assert "| GOOD | vLLM 0.29.0 / vllm-omni - / torch 2.13.0 | pass 1/1 |" in shown
 
 
@@ -195,3 +195,45 @@ def test_repository_matrix_label_names_every_supported_minor() -> None:
         f"py311-vllm0{n}" for n in range(29, 35)]
     assert legs.requested_stack("-r requirements/vllm030.txt", root) == {
         "vllm": "0.30.0", "vllm_omni": "0.30.0", "torch": "2.13.0"}
+
+
+def test_sigterm_stops_the_running_leg_and_leaves_an_interrupted_matrix(
+        clone: Path, tmp_path: Path) -> None:
+    """No child outlives the matrix; what finished stays, the rest is named."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    spec = json.loads((clone / "fake_tox.json").read_text())
+    spec["legs"]["py311-vllm031"]["suite"] = "hang"
+    (clone / "fake_tox.json").write_text(json.dumps(spec))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "pytest_kvconform.cli", "matrix", "--root", str(clone),
+               "--tox", FAKE_TOX, "-o", str(out)]
+    pid_file = clone / "fake_tox.pid"
+    with subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        hung = int(pid_file.read_text())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2, err
+    assert "kvconform: matrix interrupted; what finished is in" in err
+    try:
+        os.kill(hung, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive
+    combined = json.loads((out / "matrix.json").read_text())
+    assert combined["verdict"] == "interrupted"
+    assert combined["run"]["interruption"] == "Terminated during leg py311-vllm031"
+    states = [(leg["name"], leg["state"], leg["reason"]) for leg in combined["legs"]]
+    assert states == [
+        ("py311-vllm029", "ran", None),
+        ("py311-vllm031", "interrupted", "Terminated: SIGTERM: the run was terminated"),
+        ("py311-vllm034", "not run", "not run: the matrix was interrupted")]
+    assert main(["validate", str(out / "matrix.json")]) == 0

@@ -112,8 +112,17 @@ def test_null_block_counted_as_usable_fails_kv_n2(without_omni: None,
                 "KVCacheConfig.num_blocks*"), "*expected: 16*", "*actual:   17*"])
 
 
-def test_what_needs_vllm_omni_skips_naming_it(without_omni: None,
-                                              kv_run: Callable[..., Any]) -> None:
-    """KV-L6's seam variants need vllm-omni's SDPA backend: a skip, never an error."""
-    result = kv_run("-k", "kv_l6_seam", "-rs")
-    expect_run(result, skipped=2, lines=["*KV-L6: vllm-omni not installed*"])
+def test_what_needs_vllm_omni_skips_naming_it(without_omni: None) -> None:
+    """KV-L6's seam variants need vllm-omni's SDPA backend: building their stand-in no longer
+    imports it (a ModuleNotFoundError, reported as a harness error, before), and the check
+    skips naming the reason before it asks for a worker."""
+    from pytest_kvconform.checks import layout
+    from pytest_kvconform.contract.outcomes import ClauseSkip, SkipKind
+
+    for need in (False, True):
+        backend = layout.seam_backend(need)
+        assert (backend.name, backend.cls) == (f"need_{need}", None)
+        with pytest.raises(ClauseSkip) as info:
+            layout.check_kv_l6(backend, workers=None)
+        assert (info.value.clause, info.value.reason, info.value.kind) == \
+            ("KV-L6", "vllm-omni not installed", SkipKind.ENVIRONMENT)

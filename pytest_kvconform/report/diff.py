@@ -10,8 +10,10 @@ file), so reports of two stacks compare wherever the suite ran them.  Each resul
 
 B against A lists new failures (failing in B, not in A), fixed results (failing or known
 in A, passing in B; a known finding fixed is stale), newly unchecked results with B's
-reason, newly checked ones, and the environment changes (versions, backends, the known
-findings file).  Two combined matrix reports are compared leg by leg.  Stdlib only.
+reason, newly checked ones, results checked through another production entry point (their
+``via``: vLLM alone where vllm-omni is gone), and the environment changes (versions,
+backends, the known findings file).  Two combined matrix reports are compared leg by leg.
+Stdlib only.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class Change:
     backend: str | None
     before: str | None  # status in A (None: no result)
     after: str | None  # status in B
-    reason: str  # B's reason (A's when B has no result)
+    reason: str  # B's reason ("" for none), or why B has no result
     note: str = ""  # e.g. the stale known finding, a declared one
 
 
@@ -50,6 +52,8 @@ class ReportDiff:
     newly_unchecked: list[Change] = field(default_factory=list)
     newly_checked: list[Change] = field(default_factory=list)
     declared: list[Change] = field(default_factory=list)  # failing -> known, passing -> known
+    # Checked in both, through another production entry point (``via``: vLLM alone, ...).
+    rerouted: list[Change] = field(default_factory=list)
     still_failing: int = 0
     environment: list[str] = field(default_factory=list)
 
@@ -95,13 +99,18 @@ def diff_reports(a: Mapping[str, Any], b: Mapping[str, Any]) -> ReportDiff:
     """B against A (two validated reports)."""
     diff = ReportDiff(environment=environment_changes(a, b))
     before, after = _results(a), _results(b)
+    b_backends = {x["name"] for x in b["backends"]}
     for key in sorted(set(before) | set(after)):
         ra, rb = before.get(key), after.get(key)
         ca, cb = outcome_class(ra), outcome_class(rb)
         some = rb or ra
         assert some is not None
-        reason = short_reason(rb["reason"]) if rb is not None else \
-            "not collected (deselected, or the test is gone)"
+        if rb is not None:
+            reason = short_reason(rb["reason"]) if rb.get("reason") else ""
+        elif some.get("backend") and some["backend"] not in b_backends:
+            reason = "not collected: the backend is not in B"
+        else:
+            reason = "not collected (deselected, or the test is gone)"
         change = Change(key, some["clause"], some.get("backend"),
                         ra["status"] if ra is not None else None,
                         rb["status"] if rb is not None else None, reason)
@@ -123,6 +132,8 @@ def diff_reports(a: Mapping[str, Any], b: Mapping[str, Any]) -> ReportDiff:
             diff.newly_unchecked.append(_noted(change, f"{kind} skip" if kind else ""))
         elif ca == "unchecked" and cb in _CHECKED:
             diff.newly_checked.append(change)
+        elif ra is not None and rb is not None and ra.get("via") != rb.get("via"):
+            diff.rerouted.append(_noted(change, f"via {rb.get('via') or 'the default path'}"))
     return diff
 
 
@@ -169,12 +180,16 @@ def _row(change: Change) -> str:
     return change.backend or UPSTREAM_ROW
 
 
+def _because(reason: str) -> str:
+    return f": {md_escape(reason)}" if reason else ""
+
+
 def _individual(changes: Sequence[Change]) -> list[str]:
     lines = []
     for c in changes:
         note = f" ({c.note})" if c.note else ""
         lines.append(f"- `{c.test}` ({c.clause}, {_row(c)}): {c.before or 'no result'} -> "
-                     f"{c.after or 'no result'}{note}: {md_escape(c.reason)}")
+                     f"{c.after or 'no result'}{note}{_because(c.reason)}")
     return lines
 
 
@@ -192,7 +207,7 @@ def _grouped(changes: Sequence[Change]) -> list[str]:
         shown = ", ".join(rows[:6]) + (f", ... ({len(rows)} rows)" if len(rows) > 6 else "")
         n = len(group)
         lines.append(f"- {clause} ({n} result{'s' if n != 1 else ''}; {shown}): {move}"
-                     f"{f' ({note})' if note else ''}: {md_escape(reason)}")
+                     f"{f' ({note})' if note else ''}{_because(reason)}")
     return lines
 
 
@@ -200,7 +215,8 @@ def summary_line(diff: ReportDiff) -> str:
     return (f"{len(diff.new_failures)} new failure(s), {len(diff.fixed)} fixed "
             f"({len(diff.stale)} stale known finding(s)), {len(diff.newly_unchecked)} newly "
             f"unchecked, {len(diff.newly_checked)} newly checked, {len(diff.declared)} newly "
-            f"declared known; {diff.still_failing} still failing")
+            f"declared known, {len(diff.rerouted)} checked through another entry point; "
+            f"{diff.still_failing} still failing")
 
 
 def render_diff_lines(diff: ReportDiff) -> list[str]:
@@ -213,6 +229,7 @@ def render_diff_lines(diff: ReportDiff) -> list[str]:
         ("Newly declared known findings", _individual(diff.declared)),
         ("Newly unchecked", _grouped(diff.newly_unchecked)),
         ("Newly checked", _grouped(diff.newly_checked)),
+        ("Checked through another entry point", _grouped(diff.rerouted)),
     )
     for title, body in sections:
         if body:

@@ -54,6 +54,7 @@ LEG_KEYS = ("name", "description", "state", "verdict", "reason", "notes", "stack
 # count of each status, and the most common reason among the worst ones.
 CELL_KEYS = ("leg", "backend", "clause", "status", "counts", "reason")
 _CLAUSE_PREFIX = re.compile(r"^KV-[A-Z]+\d+: ")
+_CONTEXT = re.compile(r"^(KV-[A-Z]+\d+ violated) \[[^\]]*\]")
 _REASON_CHARS = 300
 
 
@@ -118,7 +119,9 @@ def short_reason(text: Any) -> str:
 
 
 def _top_reason(results: Sequence[Mapping[str, Any]]) -> str:
-    reasons = Counter(short_reason(r.get("reason")) for r in results)
+    """The most common reason, the failure context (``[backend=..., case=...]``) left out so
+    that one cause over many parameters counts once."""
+    reasons = Counter(_CONTEXT.sub(r"\1", short_reason(r.get("reason"))) for r in results)
     reason, _ = reasons.most_common(1)[0]
     others = len(reasons) - 1
     return reason + (f" (and {others} other reason{'s' if others > 1 else ''})" if others else "")
