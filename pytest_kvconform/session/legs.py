@@ -303,6 +303,7 @@ def run_leg(tox: Tox, leg: Leg, *, report: Path, log: Path, pytest_args: Sequenc
     started = time.monotonic()
     for stale in (report, report.with_suffix(".md")):
         stale.unlink(missing_ok=True)
+    log.write_text("", encoding="utf-8")  # this run's steps only
     try:
         build = tox.build(leg.name, log)
         if not build.ok:
@@ -317,9 +318,7 @@ def run_leg(tox: Tox, leg: Leg, *, report: Path, log: Path, pytest_args: Sequenc
                 outcome.reason = (f"timed out after {suite.seconds:.0f} s" if suite.timed_out
                                   else f"the suite wrote no report (exit {suite.code}): "
                                        f"{tail(suite.output)}")
-    except BaseException as exc:
-        if isinstance(exc, ToxError) or not isinstance(exc, KeyboardInterrupt):
-            raise
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (lifetime.Terminated)
         outcome.state, outcome.reason = "interrupted", f"{type(exc).__name__}: {exc}".rstrip(": ")
         if report.is_file():
             outcome.report = report
