@@ -293,8 +293,8 @@ def production_frame(exc: BaseException) -> str:
         name = frame.f_code.co_qualname
         if module.partition(".")[0] in ("vllm", "vllm_omni") and name not in chain[-1:]:
             chain.append(name)
-    if len(chain) > 4:
-        chain = [*chain[:2], "...", *chain[-2:]]
+    if len(chain) > 6:  # the entry, and the innermost calls where it went wrong
+        chain = [chain[0], "...", *chain[-4:]]
     return " -> ".join(chain) or type(exc).__module__
 
 
@@ -523,7 +523,7 @@ class Engine:
         od = od_config(spec, selected,
                        executor_backend=spec.topology if point.level == EXECUTOR else None)
         try:
-            with around_worker.seams():
+            with around_worker.seams() if point.level == EXECUTOR else contextlib.nullcontext():
                 self.executor = self._make_executor(point, od)
         except Exception as exc:
             self.report = EngineReport(via=point.chain(spec.topology),
