@@ -129,5 +129,7 @@ def test_kv_a_on_a_torch_whose_accelerator_the_device_does_not_match_fails_nothi
         assert "torch reports accelerator cuda (not available), and the worker's device " \
                "is cpu" in result.via
     topologies = {r.test: r.via for r in ran}
-    assert topologies["test_kv_a2[FLASH_ATTN-bf16_h8]"].startswith("MultiprocDiffusionExecutor")
+    assert topologies["test_kv_a2[FLASH_ATTN-bf16_h8]"].startswith(  # a process per rank
+        "DiffusionExecutor.set_kv_cache_configs (the multiproc executor's RPC envelope to one "
+        "KV-A worker process per rank) -> DiffusionWorker.set_kv_cache_configs")
     assert topologies["test_kv_a1[FLASH_ATTN-bf16_h8]"].startswith("UniProcDiffusionExecutor")
