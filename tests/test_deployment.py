@@ -73,6 +73,13 @@ def test_a_result_names_the_entry_point_that_ran() -> None:
     assert engine.EntryPoint(engine.EXECUTOR).chain(engine.UNI).startswith(
         "UniProcDiffusionExecutor -> ")
     assert "nothing" in engine.EntryPoint("", why_not_runner="no platform").chain(engine.UNI)
+    limited = engine.EntryPoint(engine.EXECUTOR, unmeasured="no accelerator for cpu")
+    assert limited.chain(engine.MP) == (
+        "MultiprocDiffusionExecutor -> DiffusionWorker.set_kv_cache_configs -> "
+        "DiffusionModelRunner.set_kv_cache_config -> "
+        "DiffusionKVModelRunnerBackend.initialize_kv_cache (DiffusionWorker's constructor "
+        "cannot complete on this host: no accelerator for cpu; so it runs with that memory "
+        "snapshot unmeasured, its one accelerator step, and the configured KV budget)")
 
 
 @pytest.mark.parametrize("fault", sorted(set(seeds.REGRESSIONS) - {"shared_cache_config"}))

@@ -59,9 +59,52 @@ def test_a_runner_that_asserts_each_layers_backend_passes_kv_a4(seed: Seeder, kv
 
 
 def test_a_runner_that_skips_the_layer_assertion_fails_kv_a4(seed: Seeder, kv_run) -> None:
+    """Caught where the runner's assertion can refuse: with it corrected (each layer's own
+    backend asserted), removing it turns KV-A4's contradiction control red again."""
     seed.worker_fault("assert_layer_backends,skip_layer_assertion")
     result = kv_run(*PAGED, "-k", "kv_a4")
     expect_run(result, failed=6, passed=12, clauses=["KV-A4"] * 6, lines=[CONTRADICTION])
+
+
+def test_skipping_productions_own_layer_assertion_is_not_observable(
+        seed: Seeder, kv_run) -> None:
+    """Not counted as caught on production as it is: its runner asserts each layer's
+    *native* paged backend, which declares no need, so production's assertion accepts every
+    layout and removing it changes no outcome (KV-A4's contradiction control fails either
+    way, as the known finding)."""
+    import importlib
+
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from pytest_kvconform.adapters.compat import LAYOUT_NAMES
+    from pytest_kvconform.checks import adoption
+    from pytest_kvconform.contract.cases import load_cases
+
+    layout = importlib.import_module("vllm_omni.diffusion.diffusion_kv.layout")
+    case = next(c for c in load_cases(()) if c.id == "bf16_h8")
+    with adoption.fixture_deployment(True, case, workers.pool().get(["cpu"])) as deployed:
+        natives = {path for path in deployed.report.ranks[0]["native_backends"].values()}
+        config = deployed.report.rank_configs[0]
+    assert natives
+    for native in sorted(natives):
+        backend = resolve_obj_by_qualname(native)
+        assert getattr(backend, "indexes_kv_by_block_stride", None) is None, native
+        for name in LAYOUT_NAMES:  # production's assertion passes whatever the layout
+            pinned = type("Pinned", (), {"cache_config": type("C", (), {
+                "kv_cache_layout": name})()})()
+            layout.assert_backend_layout_supported(pinned, backend)
+    assert config.kv_cache_layout == "BLNHC"  # the need the layers declare, honoured
+    unpatched = kv_run(*PAGED, "-k", "kv_a4 and bf16_h8")
+    seed.worker_fault("skip_layer_assertion")
+    skipped = kv_run(*PAGED, "-k", "kv_a4 and bf16_h8")
+    for result in (unpatched, skipped):
+        expect_run(result, failed=3, clauses=["KV-A4"] * 3, lines=[CONTRADICTION])
+    assert failed_lines(skipped) == failed_lines(unpatched)
+
+
+def failed_lines(result: Any) -> list[str]:
+    """The failure lines of a run's short summary (which test failed, and why)."""
+    return sorted(line for line in result.stdout.lines if line.startswith("FAILED "))
 
 
 @pytest.mark.parametrize("fault", ["skip_adoption", "allocate_before_adopting"])
@@ -104,6 +147,17 @@ def test_a_uniproc_executor_sharing_its_cache_config_fails_kv_a4(seed: Seeder, k
     result = kv_run(*PAGED, "-k", "kv_a4_unadopted and bf16_h8")
     expect_run(result, failed=3, clauses=["KV-A4"] * 3,
                lines=["*KV-A4 violated*with adoption skipped*the worker allocated*"])
+
+
+def test_an_executor_handoff_that_drops_the_layout_stamp_fails_kv_a2_and_a5(
+        seed: Seeder, kv_run) -> None:
+    """``DiffusionExecutor.set_kv_cache_configs`` hands the workers configs rebuilt without
+    the stamp: what a worker holds differs from what the control plane handed over."""
+    seed.worker_fault("handoff_drops_layout")
+    result = kv_run(*PAGED, "-k", "kv_a2 or (kv_a5 and ws2)")
+    expect_run(result, failed=9, clauses=["KV-A2"] * 6 + ["KV-A5"] * 3, lines=[
+        "*KV-A2 violated*rank 0: the config the worker's runner holds differs from the control "
+        "plane's rank-0 config at kv_cache_layout*"])
 
 
 def test_uniproc_never_stamped_configs_fail_kv_a1_a3_and_a4(seed: Seeder, kv_run) -> None:

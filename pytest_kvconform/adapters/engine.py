@@ -16,10 +16,9 @@ layers use the backend under test (``tiny_pipeline``):
 Where a piece cannot run on this host, the deepest production entry point that
 can run is driven instead, and every result names it (:func:`entry_point`):
 ``executor`` (the whole chain), else ``runner`` (production's
-``DiffusionModelRunner.set_kv_cache_config`` and everything below it, hosted by
-:class:`RankHost`, which does only what ``DiffusionWorker`` would have done around
-it: build its config, load the pipeline through the custom-pipeline route, pick
-its rank's config).  No other copy of production's sequence exists here.
+``DiffusionModelRunner.set_kv_cache_config`` and everything below it).  What the
+harness does around production's methods on either level is listed, once, in
+``adapters/around_worker.py``; no other copy of production's sequence exists here.
 
 The harness owns only lifetime, placement and observation
 (``worker_extension.Observation``).  This module runs inside KV-A worker processes
@@ -31,6 +30,7 @@ imported lazily.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import traceback
@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_kvconform.adapters import seeds, tiny_pipeline, worker_extension
+from pytest_kvconform.adapters import around_worker, seeds, tiny_pipeline, worker_extension
 from pytest_kvconform.contract.memory import is_out_of_memory as is_out_of_memory  # re-exported
 from pytest_kvconform.contract.outcomes import HarnessError
 from pytest_kvconform.contract.records import Case
@@ -47,6 +47,9 @@ EXECUTOR = "executor"
 RUNNER = "runner"
 UNI = "uni"
 MP = "mp"
+# Not production's selection: MP with one rank per KV-A worker, the executor's calls carried
+# over their pipes (``around_worker``); names the chain of such a deployment.
+PIPE = "pipe"
 # The control plane only hands profile requests to the workers; with the KV budget given
 # as ``kv_cache_memory_bytes`` production's worker skips profiling, so any request does.
 PROFILE_REQUESTS: tuple[str, ...] = ("kvconform-profile",)
@@ -58,20 +61,31 @@ _MODULES = {
 
 @dataclass(frozen=True)
 class EntryPoint:
-    """The deepest production entry point that can run on this host, and why not higher."""
+    """The deepest production entry point that can run on this host, and why not higher.
+
+    ``unmeasured``: at the executor level, why ``DiffusionWorker``'s constructor cannot
+    complete here (the one step ``around_worker.seams`` leaves out), or None.
+    """
 
     level: str  # EXECUTOR, RUNNER or "" (none)
     why_not_executor: str | None = None
     why_not_runner: str | None = None
+    unmeasured: str | None = None
 
     def chain(self, topology: str) -> str:
         """Which production code received the configs, in words (a result's ``via``)."""
-        executor = ("UniProcDiffusionExecutor" if topology == UNI
-                    else "MultiprocDiffusionExecutor")
+        executor = {UNI: "UniProcDiffusionExecutor", MP: "MultiprocDiffusionExecutor",
+                    PIPE: "DiffusionExecutor.set_kv_cache_configs (the multiproc executor's "
+                          "RPC envelope to one KV-A worker process per rank)"}[topology]
         if self.level == EXECUTOR:
-            return (f"{executor} -> DiffusionWorker.set_kv_cache_configs -> "
-                    "DiffusionModelRunner.set_kv_cache_config -> "
-                    "DiffusionKVModelRunnerBackend.initialize_kv_cache")
+            chain = (f"{executor} -> DiffusionWorker.set_kv_cache_configs -> "
+                     "DiffusionModelRunner.set_kv_cache_config -> "
+                     "DiffusionKVModelRunnerBackend.initialize_kv_cache")
+            if self.unmeasured is None:
+                return chain
+            return (f"{chain} (DiffusionWorker's constructor cannot complete on this host: "
+                    f"{self.unmeasured}; so it runs with that memory snapshot unmeasured, "
+                    "its one accelerator step, and the configured KV budget)")
         if self.level == RUNNER:
             return ("DiffusionModelRunner.set_kv_cache_config -> "
                     "DiffusionKVModelRunnerBackend.initialize_kv_cache (DiffusionWorker and "
@@ -93,11 +107,19 @@ def _import_error(module: str) -> str | None:
 @functools.cache
 def entry_point() -> EntryPoint:
     """Feature detection: import production's worker, else its model runner; and a platform
-    that can build diffusion attention layers here."""
+    that can build diffusion attention layers here.  Where the host has no accelerator for
+    the worker's device, the executor level runs if the one step the constructor cannot
+    take here can be left out (``around_worker``)."""
     why_platform = _no_platform()
     why_executor = _import_error(_MODULES[EXECUTOR]) or why_platform
+    unmeasured = None
     if why_executor is None:
-        return EntryPoint(EXECUTOR)
+        unmeasured = around_worker.unmeasured_reason(around_worker.worker_device())
+        missing = around_worker.seam_missing() if unmeasured else None
+        if missing is None:
+            return EntryPoint(EXECUTOR, unmeasured=unmeasured)
+        why_executor = (f"DiffusionWorker's constructor cannot complete on this host "
+                        f"({unmeasured}), and {missing}")
     why_runner = _import_error(_MODULES[RUNNER]) or why_platform
     if why_runner is None:
         return EntryPoint(RUNNER, why_not_executor=why_executor)
@@ -271,8 +293,8 @@ def production_frame(exc: BaseException) -> str:
         name = frame.f_code.co_qualname
         if module.partition(".")[0] in ("vllm", "vllm_omni") and name not in chain[-1:]:
             chain.append(name)
-    if len(chain) > 4:
-        chain = [*chain[:2], "...", *chain[-2:]]
+    if len(chain) > 6:  # the entry, and the innermost calls where it went wrong
+        chain = [chain[0], "...", *chain[-4:]]
     return " -> ".join(chain) or type(exc).__module__
 
 
@@ -287,7 +309,16 @@ def error_record(exc: BaseException, stage: str) -> dict[str, Any]:
         return {**remote, "stage": stage}
     return {"type": type(exc).__name__, "message": str(exc), "stage": stage,
             "where": production_frame(exc), "oom": is_out_of_memory(exc),
+            "host_limit": _host_limit(exc),
             "traceback": "".join(traceback.format_exception(exc))[-4000:]}
+
+
+def _host_limit(exc: BaseException) -> str | None:
+    """Why the exception is the host's hardware limit (``around_worker.host_limit``)."""
+    try:
+        return around_worker.host_limit(exc, around_worker.worker_device())
+    except Exception:  # no platform or no torch: nothing to tell
+        return None
 
 
 def run_control_plane(executor: Any, od: Any, spec: EngineSpec, *,
@@ -318,7 +349,8 @@ def run_control_plane(executor: Any, od: Any, spec: EngineSpec, *,
         return specs
 
     def recording_set(configs: list[Any], max_model_len: int) -> None:
-        sent["configs"], sent["max_model_len"] = list(configs), max_model_len
+        # As handed over: a hand-off that alters them in place must not alter the record.
+        sent["configs"], sent["max_model_len"] = copy.deepcopy(list(configs)), max_model_len
         report.fresh_layouts = on_ranks("kvconform_layout")
         if prepin is not None:
             on_ranks("kvconform_prepin", prepin)
@@ -364,14 +396,8 @@ def _block_size(od: Any, spec: EngineSpec) -> int | None:
 
 
 class RankHost(worker_extension.Observation):
-    """Stands in for ``DiffusionWorker`` where it cannot be imported: hosts its runner.
-
-    It does what that worker does around its runner and nothing else: sets its
-    rank in the environment, builds the rank's config with
-    ``create_diffusion_vllm_config``, lets the platform initialise it, creates the
-    platform's model runner, loads the pipeline through the custom-pipeline route,
-    and hands the runner its rank's config.
-    """
+    """Stands in for ``DiffusionWorker`` where it cannot be imported: hosts its runner
+    (runner level; what it does around the runner: ``around_worker``)."""
 
     def __init__(self, od: Any, rank: int) -> None:
         import os
@@ -416,16 +442,26 @@ class RankHost(worker_extension.Observation):
         self.model_runner = None
 
 
+def rank_worker(od: Any, rank: int) -> Any:
+    """One rank of a deployment whose control plane runs in another process: production's
+    worker, built as the multiproc executor's worker process builds it (its queues, the
+    executor's transport, are not built), else :class:`RankHost` (``around_worker``)."""
+    if entry_point().level != EXECUTOR:
+        return RankHost(od, rank)
+    from vllm_omni.diffusion.worker.diffusion_worker import WorkerProc
+
+    with around_worker.seams():
+        return WorkerProc._create_worker(WorkerProc.__new__(WorkerProc), rank, od,
+                                         od.worker_extension_cls,
+                                         getattr(od, "custom_pipeline_args", None))
+
+
 def _executor_class() -> type:
     from vllm_omni.diffusion.executor.abstract import DiffusionExecutor
 
     class InlineExecutor(DiffusionExecutor):  # type: ignore[misc]
-        """The configs reach one inline :class:`RankHost` by reference (uniproc's way).
-
-        Production's ``DiffusionExecutor`` methods (``get_kv_cache_specs``,
-        ``determine_available_kv_memory``, ``set_kv_cache_configs``) run as they are;
-        only ``collective_rpc`` is the inline call production's uniproc executor makes.
-        """
+        """Production's ``DiffusionExecutor`` over one inline :class:`RankHost` (runner
+        level): only ``collective_rpc`` is the harness's, uniproc's inline call."""
 
         def _init_executor(self) -> None:
             self.host: RankHost | None = RankHost(self.od_config, 0)
@@ -487,7 +523,8 @@ class Engine:
         od = od_config(spec, selected,
                        executor_backend=spec.topology if point.level == EXECUTOR else None)
         try:
-            self.executor = self._make_executor(point, od)
+            with around_worker.seams() if point.level == EXECUTOR else contextlib.nullcontext():
+                self.executor = self._make_executor(point, od)
         except Exception as exc:
             self.report = EngineReport(via=point.chain(spec.topology),
                                        error=error_record(exc, "worker start-up"))

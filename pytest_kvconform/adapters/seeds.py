@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 ENV = "KVCONFORM_WORKER_FAULT"
+# A check's own negative control, for worker processes production spawns while it runs.
+CONTROL_ENV = "KVCONFORM_WORKER_CONTROL"
 PIDDIR_ENV = "KVCONFORM_WORKER_PIDDIR"
 # The seeded ``oom`` fault asks for this many times the real allocation (past any host).
 OOM_FACTOR = 1 << 40
@@ -40,6 +42,7 @@ OOM_FACTOR = 1 << 40
 _BACKEND = "vllm_omni.diffusion.diffusion_kv.model_runner_backend"
 _WORKER = "vllm_omni.diffusion.worker.diffusion_worker"
 _UNIPROC = "vllm_omni.diffusion.executor.uniproc_executor"
+_EXECUTOR = "vllm_omni.diffusion.executor.abstract"
 _CONTROL_PLANE = "vllm_omni.diffusion.diffusion_kv.initialization"
 
 
@@ -70,6 +73,10 @@ REGRESSIONS: dict[str, Regression] = {
     "shared_cache_config": Regression(f"{_UNIPROC}:UniProcDiffusionExecutor.collective_rpc",
                                       "hands the inline worker the control plane's own "
                                       "CacheConfig", runs_with=_WORKER),
+    "handoff_drops_layout": Regression(
+        f"{_EXECUTOR}:DiffusionExecutor.set_kv_cache_configs",
+        "hands the workers each config rebuilt from its blocks, tensors and groups: the "
+        "layout stamp is dropped"),
     "unstamped_configs": Regression(f"{_CONTROL_PLANE}:build_native_kv_cache_configs",
                                     "no longer stamps the layout on the configs"),
 }
@@ -204,6 +211,25 @@ class _Rewrite(ast.NodeTransformer):
             stmts = getattr(node, name, None)
             if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
                 setattr(node, name, self._body(stmts))
+        return node
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        """``collective_rpc("set_kv_cache_configs", args=(configs, ...))``: the configs
+        rebuilt field by field, without the stamp (``handoff_drops_layout``)."""
+        self.generic_visit(node)
+        if "handoff_drops_layout" not in self.faults or \
+                getattr(node.func, "attr", None) != "collective_rpc" or not node.args or \
+                getattr(node.args[0], "value", None) != "set_kv_cache_configs":
+            return node
+        for keyword in node.keywords:
+            if keyword.arg == "args" and isinstance(keyword.value, ast.Tuple) and \
+                    isinstance(keyword.value.elts[0], ast.Name):
+                configs = keyword.value.elts[0].id
+                keyword.value.elts[0] = ast.parse(
+                    f"[type(c)(num_blocks=c.num_blocks, kv_cache_tensors=c.kv_cache_tensors, "
+                    f"kv_cache_groups=c.kv_cache_groups) for c in {configs}]",
+                    mode="eval").body
+                self.done.add("handoff_drops_layout")
         return node
 
     def visit_Subscript(self, node: ast.Subscript) -> ast.AST:
@@ -444,13 +470,37 @@ def oversized_allocation(fault: str | None) -> Iterator[None]:
         module.init_kv_cache = original
 
 
+_SEEDED_HERE: list[str | None] = []  # what this process applies now (inherited by a fork)
+
+
 @contextlib.contextmanager
 def seeded(fault: str | None, control: str | None = None) -> Iterator[None]:
     """Everything a process hosting production applies: the run's seeded ``fault`` and a
-    check's own negative ``control`` (a regression it applies on purpose)."""
+    check's own negative ``control`` (a regression it applies on purpose).  The control
+    is also exported (:data:`CONTROL_ENV`) to worker processes production spawns meanwhile,
+    which apply both through :func:`inherited`."""
+    previous = os.environ.get(CONTROL_ENV)
     with regression(control, *names(fault)), corruption(fault), \
             oversized_allocation(fault), corrected(fault):
-        yield
+        _SEEDED_HERE.append(control)
+        if control:
+            os.environ[CONTROL_ENV] = control
+        try:
+            yield
+        finally:
+            _SEEDED_HERE.pop()
+            if previous is None:
+                os.environ.pop(CONTROL_ENV, None)
+            else:
+                os.environ[CONTROL_ENV] = previous
+
+
+def inherited() -> contextlib.AbstractContextManager[None]:
+    """In a worker process production started: what its engine process applies, unless
+    this process already has it (the engine's own, or a fork of it)."""
+    if _SEEDED_HERE:
+        return contextlib.nullcontext()
+    return seeded(active(), os.environ.get(CONTROL_ENV) or None)
 
 
 @contextlib.contextmanager

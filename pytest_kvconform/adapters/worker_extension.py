@@ -194,11 +194,13 @@ def __getattr__(name: str) -> Any:
     if name == "KvConformWorkerExtension":
         from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
 
-        from pytest_kvconform.adapters import seeds
+        from pytest_kvconform.adapters import around_worker, seeds
 
         apply_override()
-        # A seeded regression reaches the worker processes production spawns this way.
-        _SEEDED.enter_context(seeds.seeded(seeds.active()))
+        # A seeded regression, and the harness's seams, reach the worker processes
+        # production spawns this way (a forked one has them already).
+        _SEEDED.enter_context(seeds.inherited())
+        _SEEDED.enter_context(around_worker.seams())
         cls = type("KvConformWorkerExtension", (Observation, CustomPipelineWorkerExtension),
                    {"__module__": __name__,
                     "__doc__": "Production's custom-pipeline extension plus the harness's "

@@ -150,6 +150,7 @@ def deploy(run: Run, handles: Sequence[WorkerHandle], *, topology: str,
     except HarnessError as exc:
         raise run.harness(exc, f"running production's deployment ({topology})") from exc
     except WorkerCommandError as exc:  # a rank's worker could not start
+        _host_limit(run, exc.remote or {})
         raise run.fail("production's diffusion worker could not start for this backend: "
                        f"{_production_error(exc.remote)}" if exc.remote else
                        f"the deployment could not run: {exc}") from exc
@@ -175,6 +176,7 @@ def ran(run: Run, report: EngineReport) -> None:
         return
     _same_class(run, report)  # a worker that built the layers with another class says most
     if error["stage"] == "worker start-up":
+        _host_limit(run, error)
         raise run.fail("production's diffusion worker could not start for this backend: "
                        f"{_production_error(error)}", layout=report.pinned)
     if error["stage"] == "set_kv_cache_configs":
@@ -182,6 +184,13 @@ def ran(run: Run, report: EngineReport) -> None:
                        layout=report.pinned)
     raise run.fail(f"production's control plane failed: {_production_error(error)}",
                    layout=report.pinned)
+
+
+def _host_limit(run: Run, error: dict[str, Any]) -> None:
+    """A worker that could not start for want of an accelerator: the host's limit."""
+    if error.get("host_limit"):
+        raise run.skip("production's diffusion worker cannot start on this host: "
+                       f"{error['host_limit']} ({_production_error(error)})", SkipKind.HARDWARE)
 
 
 def _same_class(run: Run, report: EngineReport) -> None:

@@ -162,7 +162,7 @@ class _WorkerState:
     def __init__(self, device: str) -> None:
         self.device = device
         self.engine: Any = None  # engine.Engine: control plane + executor + workers here
-        self.host: Any = None  # engine.RankHost: one rank of a deployment run from the parent
+        self.host: Any = None  # one rank (engine.rank_worker) of a deployment run from the parent
         self.fault: str | None = None
         self._seeded = contextlib.ExitStack()
 
@@ -209,6 +209,7 @@ class _WorkerState:
 
         self.release()
         seeds.process_fault(message.get("fault"))  # hang / die: the deployment's process
+        _may_have_children()
         self.engine = engine.Engine(message["spec"])
         with _visible_devices(message.get("visible_devices")):
             report = self.engine.run(fault=message.get("fault"), control=message.get("control"),
@@ -228,21 +229,22 @@ class _WorkerState:
         return self.engine.call(message["method"], message["rank"], *args)
 
     def cmd_rank_start(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Host rank ``rank`` of a deployment whose control plane runs in the parent."""
+        """Host rank ``rank`` of a deployment whose control plane runs in the parent, with
+        the parent's ``od_config`` (one for all ranks, as an executor hands its workers)."""
         from pytest_kvconform.adapters import engine, seeds
 
         self.release()
         spec = message["spec"]
         fault = message.get("fault")
-        selected = self._seeded.enter_context(engine.backend_selected(spec))
+        self._seeded.enter_context(engine.backend_selected(spec))
         self._seeded.enter_context(seeds.seeded(fault, message.get("control")))
         self.fault = fault
-        od = engine.od_config(spec, selected, executor_backend=None)
-        self.host = engine.RankHost(od, message["rank"])
+        self.host = engine.rank_worker(message["od"], message["rank"])
         return process_identity()
 
     def cmd_rank_rpc(self, message: dict[str, Any]) -> Any:
-        """One of the executor's RPCs, received as the executor's frames."""
+        """One of the executor's RPCs, received as the executor's frames, made as the
+        multiproc executor's worker process makes it (``execute_method``)."""
         from pytest_kvconform.adapters import executor_wire, seeds
 
         if self.host is None:
@@ -253,12 +255,28 @@ class _WorkerState:
             seeds.process_fault(self.fault)
         if method == "kvconform_write_pattern":
             args.append(self.fault)
+        execute = getattr(self.host, "execute_method", None)
         try:
+            if execute is not None:
+                return execute(method, *args, **rpc.get("kwargs", {}))
             return getattr(self.host, method)(*args, **rpc.get("kwargs", {}))
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise _OutOfMemory(_asked_configs(args), free_bytes(self.device), exc) from exc
             raise
+
+
+def _may_have_children() -> None:
+    """Let production's multiproc executor start its worker processes from this one.
+
+    The pool starts this worker daemonic (the test process's exit ends it rather than
+    waiting for it), and multiprocessing refuses children to a daemonic process.  Here the
+    flag decides nothing else: this process's lifetime is tied to its parent's
+    (``lifetime.py``), and production ties its workers' to this one.
+    """
+    process = multiprocessing.current_process()
+    if process.daemon:
+        process.daemon = False
 
 
 def _asked(report: Any) -> int:

@@ -8,19 +8,19 @@ rank) and the deepest production entry point those processes can run
 - :class:`ChildDeployment`: the whole engine inside the first worker.  At world size
   1 that is production's uniproc topology (control plane and worker in one process,
   configs by reference); with production's executors available it is also the
-  multiproc topology, whose executor spawns its own worker processes.
+  multiproc topology, whose executor starts its own worker processes.
 - :class:`ParentDeployment`: where only production's model runner can run, a
   multi-process deployment puts the control plane here and one rank in each
-  worker; :class:`PipeExecutor` (production's ``DiffusionExecutor`` with the
-  multiproc executor's RPC envelope, sent as the executor's frames) carries the
-  calls.
+  worker; :class:`PipeExecutor` carries the calls.
 
-The result names the production entry point that ran (``EngineReport.via``).
+What the harness does around production's methods on either path is listed, once, in
+``adapters/around_worker.py``.  The result names the production entry point that ran
+(``EngineReport.via``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pytest_kvconform.adapters import engine, executor_wire, seeds
@@ -63,20 +63,27 @@ class ChildDeployment:
 
 
 class ParentDeployment:
-    """The control plane here, one rank of production's model runner per worker."""
+    """The control plane here, one rank of production's worker (or, at the runner level, of
+    its model runner) per KV-A worker, started and released together (a rank's process
+    group waits for the others)."""
 
     def __init__(self, handles: Sequence[WorkerHandle], spec: EngineSpec, *,
                  control: str | None, prepin: str | None) -> None:
         self.handles = list(handles)
+        self.started: list[WorkerHandle] = []
+        point = _entry_point(self.handles)
         try:
-            for rank, handle in enumerate(self.handles):
-                handle.rank_start(spec, rank, control=control)
             with engine.backend_selected(spec) as selected, \
                     seeds.seeded(seeds.active()):
                 od = engine.od_config(spec, selected, executor_backend=None)
-                self.executor = _pipe_executor_class()(od, self.handles)
+                self.started = self.handles
+                _all(self.handles, lambda rank, handle: handle.send(
+                    {"cmd": "rank_start", "spec": spec, "rank": rank, "control": control,
+                     "od": od}), "rank_start")
+                self.executor = _pipe_executor_class()(
+                    od, self.handles, gathered=point.level == engine.EXECUTOR)
                 self.report = engine.run_control_plane(self.executor, od, spec, prepin=prepin)
-            self.report.via = via(self.handles, spec.topology)
+            self.report.via = point.chain(engine.PIPE)
         except BaseException:
             self.close()
             raise
@@ -85,9 +92,9 @@ class ParentDeployment:
         return self.executor.collective_rpc(method, args=args, unique_reply_rank=rank)
 
     def close(self) -> None:
-        for handle in self.handles:
-            if handle.alive:
-                handle.release()
+        alive = [handle for handle in self.started if handle.alive]
+        self.started = []
+        _all(alive, lambda _rank, handle: handle.send({"cmd": "release"}), "release")
 
 
 Deployment = ChildDeployment | ParentDeployment
@@ -105,7 +112,8 @@ def start(spec: EngineSpec, handles: Sequence[WorkerHandle], *, control: str | N
         info = handles[0].wait_ready().get("entry_point") or {}
         raise Unsupported("production's diffusion worker cannot run here: "
                           f"{info.get('why_not_runner') or 'unknown'}")
-    if spec.topology == engine.MP and point == engine.RUNNER:
+    on_cpu = not any(h.device.startswith("cuda") for h in handles)
+    if spec.topology == engine.MP and (point == engine.RUNNER or on_cpu):  # around_worker
         return ParentDeployment(handles, spec, control=control, prepin=prepin)
     gpus = [h.gpu_id for h in handles if h.gpu_id is not None]
     visible = ",".join(gpus) if spec.topology == engine.MP and len(gpus) > 1 else None
@@ -117,18 +125,18 @@ def _pipe_executor_class() -> type:
     from vllm_omni.diffusion.executor.abstract import DiffusionExecutor
 
     class PipeExecutor(DiffusionExecutor):  # type: ignore[misc]
-        """Production's ``DiffusionExecutor`` over the KV-A worker pipes.
+        """Production's ``DiffusionExecutor`` over the KV-A worker pipes (runner level).
 
-        Its ``get_kv_cache_specs`` / ``determine_available_kv_memory`` /
-        ``set_kv_cache_configs`` are production's; ``collective_rpc`` builds the
-        multiproc executor's RPC envelope, serialises it with the executor's
-        broadcast queue, and sends the frames to the ranks it addresses.  A call
-        every rank runs but one rank answers gets what that rank's worker would
+        Only ``collective_rpc`` is the harness's: the multiproc executor's RPC envelope,
+        serialised with the executor's broadcast queue, sent to the ranks it addresses.
+        A call every rank runs but one rank answers gets what that rank's worker would
         answer after its all-gather: every rank's list, in rank order.
         """
 
-        def __init__(self, od_config: Any, handles: Sequence[WorkerHandle]) -> None:
+        def __init__(self, od_config: Any, handles: Sequence[WorkerHandle], *,
+                     gathered: bool = False) -> None:
             self.handles = list(handles)
+            self.gathered = gathered  # the ranks all-gather themselves (production's workers)
             self.wire = ""
             super().__init__(od_config)
 
@@ -156,7 +164,8 @@ def _pipe_executor_class() -> type:
             replies = _exchange([self.handles[r] for r in ranks], frames, method)
             if unique_reply_rank is None:
                 return replies
-            if exec_all_ranks and all(isinstance(r, list) for r in replies):
+            if exec_all_ranks and not self.gathered and all(isinstance(r, list)
+                                                            for r in replies):
                 return [item for reply in replies for item in reply]
             return replies[ranks.index(unique_reply_rank)]
 
@@ -176,16 +185,22 @@ def _pipe_executor_class() -> type:
 
 
 def _exchange(handles: Sequence[WorkerHandle], frames: Sequence[bytes], method: str) -> list[Any]:
-    """Send the frames to every rank at once (as the executor broadcasts), then collect.
+    """Send the executor's frames to every rank at once (as it broadcasts), then collect."""
+    return _all(handles, lambda _rank, handle: handle.send_rpc(frames), method)
+
+
+def _all(handles: Sequence[WorkerHandle], send: Callable[[int, WorkerHandle], None],
+         what: str) -> list[Any]:
+    """Send every rank its command first (the ranks may wait for each other), then collect.
 
     Every reply that was asked for is read before the first error is raised, so no
     rank's pipe is left holding a stale reply for its next request.
     """
     sent: list[WorkerHandle] = []
     error: WorkerError | None = None
-    for handle in handles:
+    for rank, handle in enumerate(handles):
         try:
-            handle.send_rpc(frames)
+            send(rank, handle)
         except WorkerError as exc:
             error = exc
             break
@@ -193,7 +208,7 @@ def _exchange(handles: Sequence[WorkerHandle], frames: Sequence[bytes], method: 
     replies = []
     for handle in sent:
         try:
-            replies.append(handle.receive(method))
+            replies.append(handle.receive(what))
         except WorkerError as exc:
             error = error or exc
     if error is not None:

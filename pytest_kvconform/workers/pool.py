@@ -343,10 +343,6 @@ class WorkerHandle:
         """An observation of rank ``rank`` of the deployment this worker runs."""
         return self.request("engine_call", method=method, rank=rank, args=list(args))
 
-    def rank_start(self, spec: Any, rank: int, *, control: str | None = None) -> dict[str, Any]:
-        """Host rank ``rank`` of a deployment whose control plane runs in this process."""
-        return dict(self.request("rank_start", spec=spec, rank=rank, control=control))
-
     def send_rpc(self, frames: Sequence[bytes]) -> None:
         """Hand this rank the executor's RPC frames (the reply: :meth:`receive`)."""
         self.send({"cmd": "rank_rpc", "frames": list(frames)})

@@ -1,0 +1,163 @@
+"""What the harness does around production's worker methods: all of it, in this one place.
+
+KV-A and KV-L6 hand the control plane's configs to production's own code, as deep as it
+runs on this host (``engine.entry_point`` picks the level; every result's ``via`` and the
+run's header name it and say why a deeper one did not run).  Around those methods the
+harness does exactly this, and nothing elsewhere:
+
+- **executor** level (production's ``DiffusionWorker`` imports): production's executor
+  (``UniProcDiffusionExecutor`` at world size 1; ``MultiprocDiffusionExecutor`` above it on
+  GPUs), ``WorkerWrapperBase`` and ``DiffusionWorker`` with its model runner run as they
+  are, except:
+
+  - where the host has no accelerator for the worker's device (:func:`accelerator_gap`,
+    from torch's own report, never from an error message), ``DiffusionWorker``'s
+    constructor cannot complete: its ``init_device`` (paged KV mode) takes vLLM's
+    ``MemorySnapshot`` of the device, which measures it through ``torch.accelerator``.
+    :func:`seams` builds that one snapshot unmeasured (vLLM's own ``auto_measure=False``);
+    everything else the constructor does runs.  The snapshot only feeds the worker's
+    memory profiling, which production skips when ``kv_cache_memory_bytes`` is configured
+    (every KV-A deployment configures it), so ``determine_available_kv_memory`` answers
+    the configured budget, as production's worker does when it is given one;
+  - placement, on CPU above world size 1: production's multiproc executor would spawn
+    each rank afresh (importing the stack again, tens of seconds), and forking its engine
+    process instead deadlocks in libgomp once that process has run torch.  So each rank
+    is a KV-A worker process (forked from the preloaded fork server) holding production's
+    worker, built as the multiproc executor's worker process builds it
+    (``WorkerProc._create_worker``, which runs ``WorkerWrapperBase``); the control plane
+    runs in the test process, and production's ``DiffusionExecutor`` reaches the ranks
+    through ``workers/deployment.py``'s ``PipeExecutor``: the multiproc executor's RPC
+    envelope, serialised by its broadcast queue, over the KV-A worker pipes, each rank's
+    call made through ``WorkerWrapperBase.execute_method``.  The ranks' all-gathers are
+    production's own (``torch.distributed`` across the rank processes).
+
+- **runner** level (only production's model runner imports, as with torch's CPU build,
+  beside which torchvision does not load): ``engine.RankHost`` stands in for
+  ``DiffusionWorker`` around production's ``DiffusionModelRunner``, doing only what that
+  worker does around it (its rank, its config, the runner, the custom-pipeline load, the
+  configured KV budget, the rank's config handed to the runner), and production's
+  ``DiffusionExecutor`` hands it the configs over a stand-in transport: at world size 1
+  the uniproc executor's inline call (``engine.py``'s ``InlineExecutor``), above it the
+  same ``PipeExecutor``, which then also stands in for the worker's all-gather (every
+  rank's answer, in rank order).
+
+:func:`host_limit` tells a worker start-up failure that is the host's (raised by torch's
+accelerator API for a device the host has no accelerator for) from production's own.
+vLLM, vllm-omni and torch are imported lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+_WORKER = "vllm_omni.diffusion.worker.diffusion_worker"
+# The torch modules whose frames mark a failure as raised by torch's accelerator API.
+_ACCELERATOR_API = ("torch.accelerator", "torch.cuda")
+
+
+# --- the host ---------------------------------------------------------------------
+
+
+def accelerator_gap(device: Any) -> str | None:
+    """Why torch cannot measure ``device``'s memory on this host, or None when it can: the
+    current accelerator torch reports is absent, unavailable, or of another type."""
+    import torch
+
+    wanted = torch.device(device)
+    api = getattr(torch, "accelerator", None)
+    if api is not None:
+        current, available = api.current_accelerator(), bool(api.is_available())
+    else:  # a torch before torch.accelerator: CUDA is the only accelerator it measures
+        available = bool(torch.cuda.is_available())
+        current = torch.device("cuda") if torch.backends.cuda.is_built() else None
+    if current is not None and available and current.type == wanted.type:
+        return None
+    reported = ("no accelerator" if current is None else
+                f"accelerator {current.type} ({'available' if available else 'not available'})")
+    return f"this host's torch reports {reported}, and the worker's device is {wanted}"
+
+
+def worker_device() -> Any:
+    """The device production's worker takes for rank 0 (``DiffusionWorker.init_device``)."""
+    from vllm_omni.platforms import current_omni_platform
+
+    return current_omni_platform.get_torch_device(0)
+
+
+def unmeasured_reason(device: Any) -> str | None:
+    """Why ``DiffusionWorker``'s constructor cannot complete here (None: it can)."""
+    gap = accelerator_gap(device)
+    if gap is None:
+        return None
+    return ("its init_device measures the device with vLLM's MemorySnapshot through "
+            f"torch.accelerator, and {gap}")
+
+
+def seam_missing() -> str | None:
+    """Why the snapshot cannot be left unmeasured with the installed vLLM (None: it can)."""
+    module: Any = importlib.import_module(_WORKER)
+    snapshot = getattr(module, "MemorySnapshot", None)
+    if snapshot is None:
+        return f"{_WORKER} takes no MemorySnapshot"
+    if not dataclasses.is_dataclass(snapshot) or "auto_measure" not in {
+            f.name for f in dataclasses.fields(snapshot)}:
+        return "vLLM's MemorySnapshot has no auto_measure field"
+    return None
+
+
+def host_limit(exc: BaseException, device: Any) -> str | None:
+    """Why ``exc`` is this host's hardware limit rather than production's failure (None:
+    it is production's): torch's accelerator API raised it, and the host has no
+    accelerator for ``device``."""
+    gap = accelerator_gap(device)
+    if gap is None:
+        return None
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        for frame, _line in traceback.walk_tb(error.__traceback__):
+            module = str(frame.f_globals.get("__name__", ""))
+            if module.startswith(_ACCELERATOR_API):
+                return f"torch's accelerator API ({module}) cannot serve it: {gap}"
+        error = error.__cause__ or error.__context__
+    return None
+
+
+# --- the seam at the executor level -----------------------------------------------------
+
+
+def _measured_where_possible(real: Any) -> Any:
+    """vLLM's ``MemorySnapshot``, built unmeasured for a device the host cannot measure."""
+
+    def memory_snapshot(*args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        if device is not None and kwargs.get("auto_measure", True) and \
+                accelerator_gap(device) is not None:
+            kwargs["auto_measure"] = False
+        return real(*args, **kwargs)
+
+    memory_snapshot.kvconform_seam = True  # type: ignore[attr-defined]
+    return memory_snapshot
+
+
+@contextlib.contextmanager
+def seams() -> Iterator[None]:
+    """For the duration: ``DiffusionWorker``'s memory snapshot left unmeasured for a device
+    the host cannot measure (once, however often entered)."""
+    worker: Any = importlib.import_module(_WORKER)
+    snapshot = getattr(worker, "MemorySnapshot", None)
+    if snapshot is None or getattr(snapshot, "kvconform_seam", False) or \
+            seam_missing() is not None:
+        yield
+        return
+    worker.MemorySnapshot = _measured_where_possible(snapshot)
+    try:
+        yield
+    finally:
+        worker.MemorySnapshot = snapshot

@@ -1,0 +1,135 @@
+"""A host without an accelerator: production's worker path as deep as it runs, no false failure.
+
+``adapters/around_worker.py`` tells from torch's own report (never from an error message)
+that the host has no accelerator for the worker's device, and then leaves out the one step
+of ``DiffusionWorker``'s constructor that needs one (vLLM's ``MemorySnapshot`` measurement).
+Here: that classification against a simulated torch, against the real ``MemorySnapshot``
+on this host, and a KV-A run in a process whose torch reports an accelerator (the
+registry's CUDA build on this GPU-less host) that the worker's device does not match.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pytest_kvconform.adapters import around_worker
+from tests.conftest import needs_omni
+
+
+def _torch_reports(monkeypatch: pytest.MonkeyPatch, accelerator: str | None,
+                   available: bool) -> None:
+    import torch
+
+    current = None if accelerator is None else torch.device(accelerator)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: current)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: available)
+
+
+@pytest.mark.parametrize(("accelerator", "available", "device", "gap"), [
+    ("cuda", False, "cpu", "accelerator cuda (not available), and the worker's device is cpu"),
+    ("cuda", True, "cpu", "accelerator cuda (available), and the worker's device is cpu"),
+    (None, False, "cpu", "no accelerator, and the worker's device is cpu"),
+    ("cuda", True, "cuda:0", None),
+])
+def test_the_gap_is_read_from_torchs_report(monkeypatch: pytest.MonkeyPatch,
+                                            accelerator: str | None, available: bool,
+                                            device: str, gap: str | None) -> None:
+    _torch_reports(monkeypatch, accelerator, available)
+    found = around_worker.accelerator_gap(device)
+    assert found == (None if gap is None else f"this host's torch reports {gap}")
+
+
+def _raised_in(module: str) -> BaseException:
+    namespace: dict[str, Any] = {"__name__": module}
+    exec("def measure():\n    raise ValueError('any text at all')\n", namespace)
+    try:
+        namespace["measure"]()
+    except ValueError as exc:
+        return exc
+    raise AssertionError("unreachable")
+
+
+def test_a_host_limit_is_torchs_accelerator_api_failing_for_a_device_the_host_lacks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """By the failing frame's module and torch's report, not by the message."""
+    _torch_reports(monkeypatch, "cuda", False)
+    limit = around_worker.host_limit(_raised_in("torch.accelerator.memory"), "cpu")
+    assert limit is not None and "torch.accelerator.memory" in limit
+    assert "accelerator cuda (not available)" in limit
+    wrapped = RuntimeError("production wrapped it")
+    wrapped.__cause__ = _raised_in("torch.cuda.memory")
+    assert around_worker.host_limit(wrapped, "cpu") is not None
+    assert around_worker.host_limit(_raised_in("vllm_omni.diffusion.worker"), "cpu") is None
+    _torch_reports(monkeypatch, "cuda", True)  # the host has the device's accelerator
+    assert around_worker.host_limit(_raised_in("torch.accelerator.memory"), "cuda:0") is None
+
+
+def test_vllms_memory_snapshot_cannot_measure_cpu_here_and_the_seam_leaves_it_unmeasured(
+        ) -> None:
+    """The production step the constructor cannot take on this host, classified as the
+    host's; the seam builds vLLM's own snapshot with ``auto_measure=False`` instead."""
+    import torch
+    from vllm.utils.mem_utils import MemorySnapshot
+
+    assert around_worker.accelerator_gap("cpu") is not None  # no GPU on this host
+    with pytest.raises(Exception) as raised:  # whatever torch raises for it
+        MemorySnapshot(device=torch.device("cpu"))
+    assert around_worker.host_limit(raised.value, "cpu") is not None
+    snapshot = around_worker._measured_where_possible(MemorySnapshot)(
+        device=torch.device("cpu"))
+    assert isinstance(snapshot, MemorySnapshot) and not snapshot.auto_measure
+    assert (snapshot.free_memory, snapshot.total_memory) == (0, 0)
+
+
+@needs_omni
+def test_the_seams_are_undone_and_never_stacked() -> None:
+    import importlib
+
+    worker: Any = importlib.import_module("vllm_omni.diffusion.worker.diffusion_worker")
+    original = worker.MemorySnapshot
+    with around_worker.seams():
+        seamed = worker.MemorySnapshot
+        assert seamed is not original and seamed.kvconform_seam
+        with around_worker.seams():
+            assert worker.MemorySnapshot is seamed
+    assert worker.MemorySnapshot is original
+
+
+@needs_omni
+def test_kv_a_on_a_torch_whose_accelerator_the_device_does_not_match_fails_nothing(
+        ) -> None:
+    """The registry's torch (a CUDA build) on this GPU-less host reports accelerator cuda,
+    not available; the KV-A workers' device is cpu.  Production's worker constructor cannot
+    complete there; KV-A drives production's executors and worker below that one step,
+    passes, and every result says which path ran and why."""
+    import torch
+
+    from pytest_kvconform import api
+    from pytest_kvconform.adapters import engine
+
+    current = torch.accelerator.current_accelerator()
+    if current is None or engine.entry_point().level != engine.EXECUTOR:
+        pytest.skip("this torch reports no accelerator, or production's DiffusionWorker does "
+                    f"not import here ({engine.entry_point().why_not_executor}): the "
+                    "mismatch this test is about needs the registry's torch build")
+    assert current.type == "cuda" and not torch.accelerator.is_available()
+    results = api.check_backend("FLASH_ATTN", cases=["bf16_h8", "ws2"],
+                                clauses=["KV-A1", "KV-A2", "KV-A3", "KV-A5", "KV-L6"],
+                                device="cpu")
+    ran = [r for r in results if r.status != "skipped"]
+    assert {r.status for r in ran} == {"passed"}, [(r.test, r.message) for r in results]
+    assert {r.clause for r in ran} == {"KV-A1", "KV-A2", "KV-A3", "KV-A5", "KV-L6"}
+    for result in (r for r in ran if r.clause != "KV-L6"):
+        assert result.via is not None
+        assert "DiffusionWorker.set_kv_cache_configs -> DiffusionModelRunner" in result.via
+        assert ("DiffusionWorker's constructor cannot complete on this host: its init_device "
+                "measures the device with vLLM's MemorySnapshot") in result.via
+        assert "torch reports accelerator cuda (not available), and the worker's device " \
+               "is cpu" in result.via
+    topologies = {r.test: r.via for r in ran}
+    assert topologies["test_kv_a2[FLASH_ATTN-bf16_h8]"].startswith(  # a process per rank
+        "DiffusionExecutor.set_kv_cache_configs (the multiproc executor's RPC envelope to one "
+        "KV-A worker process per rank) -> DiffusionWorker.set_kv_cache_configs")
+    assert topologies["test_kv_a1[FLASH_ATTN-bf16_h8]"].startswith("UniProcDiffusionExecutor")
