@@ -1,8 +1,9 @@
-"""``kvconform``: show, validate and merge qualification reports (stdlib only).
+"""``kvconform``: show, validate and merge qualification reports (stdlib only); run the
+suite (``run``) and its self-test (``selftest``), which import the stack when called.
 
-Exit codes: 0 success, 2 a bad file, an unmergeable set of reports, a usage
-error, or a subcommand that is not available.  Every error is one line on
-stderr naming the file it is about.
+Exit codes: 0 success, 1 a ``selftest`` that did not catch every seedable fault, 2 a
+bad file, an unmergeable set of reports, a usage error, or a subcommand that is not
+available.  Every error is one line on stderr naming the file it is about.
 """
 
 from __future__ import annotations
@@ -136,6 +137,45 @@ class _GrabReport:
         self.report = getattr(session, "built_report", None)
 
 
+def _cmd_selftest(args: argparse.Namespace) -> int:
+    """Seed each known production fault in a fresh process and check the suite catches it
+    (``pytest_kvconform/selftest.py``); the account on stdout, progress on stderr."""
+    from pytest_kvconform.adapters import fault_registry
+
+    try:
+        faults = fault_registry.select(args.fault)
+    except ValueError as exc:
+        return _error(f"selftest: {exc}")
+    if args.list:
+        for fault in faults:
+            print(f"{fault.name:<30} {fault.family:<10} {fault.how:<7} "
+                  f"[{', '.join(fault.clauses)}] on {fault.backend or 'no backend'}: "
+                  f"{fault.what}")
+        return EXIT_OK
+    if args.jobs < 1:
+        return _error(f"selftest: --jobs {args.jobs}: expected 1 or more")
+    if args.json is not None:
+        parent = Path(args.json).resolve().parent
+        if Path(args.json).is_dir() or not parent.is_dir():
+            return _error(f"{args.json}: cannot write the selftest's JSON there (a directory, "
+                          "or its parent is missing)")
+    from pytest_kvconform import selftest
+
+    found = selftest.run([f.name for f in faults], jobs=args.jobs, timeout=args.timeout,
+                         progress=lambda line: print(f"kvconform selftest: {line}",
+                                                     file=sys.stderr, flush=True))
+    sys.stdout.write(selftest.render(found))
+    if args.json is not None:
+        import json
+
+        try:
+            Path(args.json).write_text(json.dumps(selftest.as_json(found), indent=1) + "\n",
+                                       encoding="utf-8")
+        except OSError as exc:
+            return _error(f"{args.json}: cannot write: {exc.strerror or exc}")
+    return found.exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvconform", description="pytest-kvconform qualification reports"
@@ -160,6 +200,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--report", help="keep the JSON report (and .md) at this path; a path "
                      "ending in .md keeps the Markdown there and the JSON next to it")
     run.set_defaults(func=_cmd_run)  # takes any arguments: see main()
+
+    selftest = sub.add_parser("selftest", help="seed each known production fault into the "
+                              "installed stack and check that the suite catches it; exit 1 "
+                              "if a seedable fault is not caught")
+    selftest.add_argument("--fault", action="append", metavar="NAME",
+                          help="seed only this fault (repeatable; --list names them)")
+    selftest.add_argument("--list", action="store_true", help="list the faults and exit")
+    selftest.add_argument("--jobs", "-j", type=int, default=2, metavar="N",
+                          help="faults run at once, each in its own process (default 2)")
+    selftest.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                          help="time limit of one fault's run (default 600)")
+    selftest.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    selftest.set_defaults(func=_cmd_selftest)
     return parser
 
 

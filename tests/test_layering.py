@@ -24,7 +24,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checks", ("checks", "checks.*")),
     ("report", ("report", "report.*")),
     ("session", ("session", "session.*")),
-    ("top", ("pytest_kvconform", "plugin", "hookspecs", "api", "cli", "suite", "suite.*")),
+    ("top", ("pytest_kvconform", "plugin", "hookspecs", "api", "cli", "selftest", "suite",
+             "suite.*")),
 )
 
 

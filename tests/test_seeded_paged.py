@@ -1,9 +1,9 @@
 """KV-L7 with stand-in paged backends: the conforming one passes on CPU, each seeded
 misread fails naming the first wrong block, and FLASH_ATTN skips on CPU for its kernel.
 
-The stand-ins (``tests/paged_standins.py``) are registered through the plugin's hook
-in a pytester conftest (``tests/seeding.py``), as a backend repository would register
-its own; the allocation fault is planted with ``seed``.
+The stand-ins (``pytest_kvconform/adapters/paged_standins.py``) are registered through the
+plugin's hook in a pytester conftest (``tests/seeding.py``), as a backend repository would
+register its own; the allocation fault is planted with ``seed``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ pytestmark = needs_omni
 
 def _backends(pytester: pytest.Pytester, *names: str) -> list[str]:
     """Register the named stand-ins (registry members pass through) and select them."""
-    from tests.paged_standins import STANDINS
+    from pytest_kvconform.adapters.paged_standins import STANDINS
 
     register_backends(pytester, {n: STANDINS[n] for n in names if n in STANDINS})
     return backend_args(*names)
@@ -71,8 +71,8 @@ def test_l7_block_ids_are_scattered() -> None:
 
 
 def test_l7_layouts_follow_the_declared_need() -> None:
+    from pytest_kvconform.adapters.paged_standins import PagedOk, PagedOkBlockStride
     from pytest_kvconform.checks import paged
-    from tests.paged_standins import PagedOk, PagedOkBlockStride
 
     accepted, refused = paged.accepted_layouts(PagedOk)
     assert sorted(accepted) == ["LBHNC", "LBNHC", "LHBNC"]
@@ -83,16 +83,17 @@ def test_l7_layouts_follow_the_declared_need() -> None:
 
 def test_l7_setup_failure_is_a_harness_error(seed: Seeder) -> None:
     """Production allocation failing is the harness's problem, never the backend's."""
+    from pytest_kvconform.adapters.paged_standins import PagedOk
     from pytest_kvconform.checks import paged
     from pytest_kvconform.contract.outcomes import ClauseFailure, HarnessError
     from pytest_kvconform.contract.records import BackendUnderTest
-    from tests.paged_standins import PagedOk
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("allocator exploded")
 
     seed.replace("pytest_kvconform.adapters.compat.init_kv_cache", broken)
-    backend = BackendUnderTest("PAGED_OK", "tests.paged_standins:PagedOk", "hook", cls=PagedOk)
+    backend = BackendUnderTest("PAGED_OK", "pytest_kvconform.adapters.paged_standins:PagedOk",
+                               "hook", cls=PagedOk)
     with pytest.raises(HarnessError, match="allocator exploded") as info:
         paged.check_kv_l7(backend, "cpu")
     assert not isinstance(info.value, ClauseFailure)
