@@ -1,9 +1,12 @@
-"""``kvconform``: show, validate and merge qualification reports (stdlib only); run the
-suite (``run``) and its self-test (``selftest``), which import the stack when called.
+"""``kvconform``: show, validate and merge qualification reports (stdlib only), run the
+suite, run the GPU checks (``gpu-check``, which imports its layer when called), and
+self-test the suite on the installed stack (``selftest``, which imports it when called).
 
-Exit codes: 0 success, 1 a ``selftest`` that did not catch every seedable fault, 2 a
-bad file, an unmergeable set of reports, a usage error, or a subcommand that is not
-available.  Every error is one line on stderr naming the file it is about.
+Exit codes: 0 success, 1 a check that failed or could not run (``run``, ``gpu-check``)
+or a ``selftest`` that did not catch every seedable fault, 2 a bad file, an unmergeable
+set of reports, a usage error, or a subcommand that is not available (``gpu-check`` on
+a host without CUDA or vLLM's compiled kernels).  Every error is one line on stderr
+naming the file or the host it is about.
 """
 
 from __future__ import annotations
@@ -118,6 +121,36 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
+def _cmd_gpu_check(args: argparse.Namespace) -> int:
+    """KV-A6, KV-L7 and xdist pinning on this CUDA host; OUT/REPORT.md and JSON."""
+    from pytest_kvconform.gpu import check, host
+    from pytest_kvconform.gpu.verdict import Verdict
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return _error(f"gpu-check: {out}: not a directory")
+    try:
+        gpus = host.probe()
+    except host.Refused as exc:
+        return _error(f"gpu-check: {exc}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return _error(f"gpu-check: {out}: cannot create: {exc.strerror or exc}")
+    record = check.run(out.resolve(), memory_fraction=args.memory_fraction, gpus=gpus)
+    return EXIT_OK if record["verdict"] == Verdict.OK else 1
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1]")
+    return value
+
+
 class _GrabReport:
     """A pytest plugin object: asks the session for its report and keeps it in memory."""
 
@@ -200,6 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--report", help="keep the JSON report (and .md) at this path; a path "
                      "ending in .md keeps the Markdown there and the JSON next to it")
     run.set_defaults(func=_cmd_run)  # takes any arguments: see main()
+
+    gpu = sub.add_parser("gpu-check", help="on a CUDA host with vLLM installed: KV-A6, KV-L7 "
+                         "(paged stand-ins and native backends) and xdist -n auto pinning "
+                         "against the installed stack; writes OUT/REPORT.md and "
+                         "OUT/gpu-check.json")
+    gpu.add_argument("out", nargs="?", default="kvconform-gpu-check", metavar="OUT",
+                     help="output directory (default: ./kvconform-gpu-check)")
+    gpu.add_argument("--memory-fraction", type=_fraction, default=0.5, metavar="F",
+                     help="share of GPU 0's free memory KV-A6 allocates (default 0.5)")
+    gpu.set_defaults(func=_cmd_gpu_check)
 
     selftest = sub.add_parser("selftest", help="seed each known production fault into the "
                               "installed stack and check that the suite catches it; exit 1 "

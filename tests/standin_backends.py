@@ -2,8 +2,8 @@
 
 Tests that call the checks use the classes directly; pytester and subprocess runs
 register them through the plugin's hook (``tests.seeding.backends_conftest``).  The
-paged stand-ins of KV-L7 live in ``pytest_kvconform/adapters/paged_standins.py``.  Nothing
-heavy is imported here: torch only inside the declarations that touch CUDA.
+paged stand-ins of KV-L7 ship in ``pytest_kvconform/adapters/paged_standins.py``.
+Nothing heavy is imported here: torch only inside the declarations that touch CUDA.
 """
 
 from __future__ import annotations

@@ -180,3 +180,28 @@ def test_suite_runs_against_the_repos_backends(backend_repo: tuple[Path, Path]) 
     assert "7 passed" in out, out
     # The suite came from the installed wheel, not this checkout.
     assert str(REPO / "pytest_kvconform") not in out
+
+
+@needs_omni
+def test_gpu_check_ships_in_the_wheel(backend_repo: tuple[Path, Path]) -> None:
+    """The installed ``kvconform gpu-check`` loads its modules and the stand-ins' plugin
+    from the wheel; on a host without CUDA it refuses in one line and writes nothing."""
+    python, repo = backend_repo
+    probe = _run([str(python), "-c", textwrap.dedent('''
+        import importlib.util
+        from pathlib import Path
+        from pytest_kvconform.gpu import check
+        argv = [*check.suite_step(Path("out"), 0.5).argv, *check.pinning_step(Path("out")).argv]
+        for i, arg in enumerate(argv):
+            if arg == "-p" and not argv[i + 1].startswith("no:"):
+                print(importlib.util.find_spec(argv[i + 1]).origin)
+    ''')], cwd=repo)
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    origins = probe.stdout.split()
+    assert [Path(o).name for o in origins] == ["paged_standins.py", "pinning.py"]
+    assert all(Path(o).is_relative_to(python.parent.parent) for o in origins), origins
+    result = _run([str(python.parent / "kvconform"), "gpu-check", "gpu-out"], cwd=repo)
+    if "sees no CUDA device" not in result.stderr:
+        pytest.skip(f"this host has CUDA: {result.stderr.strip()}")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert not (repo / "gpu-out").exists()

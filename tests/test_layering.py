@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checks", ("checks", "checks.*")),
     ("report", ("report", "report.*")),
     ("session", ("session", "session.*")),
+    ("gpu", ("gpu", "gpu.*")),
     ("top", ("pytest_kvconform", "plugin", "hookspecs", "api", "cli", "selftest", "suite",
              "suite.*")),
 )

@@ -1,9 +1,9 @@
 """KV-L7 with stand-in paged backends: the conforming one passes on CPU, each seeded
 misread fails naming the first wrong block, and FLASH_ATTN skips on CPU for its kernel.
 
-The stand-ins (``pytest_kvconform/adapters/paged_standins.py``) are registered through the
-plugin's hook in a pytester conftest (``tests/seeding.py``), as a backend repository would
-register its own; the allocation fault is planted with ``seed``.
+The stand-ins (``pytest_kvconform/adapters/paged_standins.py``) are registered through
+the plugin's hook in a pytester conftest (``tests/seeding.py``), as a backend repository
+would register its own; the allocation fault is planted with ``seed``.
 """
 
 from __future__ import annotations

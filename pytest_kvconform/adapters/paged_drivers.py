@@ -38,9 +38,12 @@ from pytest_kvconform.contract.records import Case
 DEVICES_ATTR = "paged_kv_devices"
 # What an undeclared backend (vllm-omni's own) needs: vLLM's native paged kernels.
 NATIVE_DEVICES = ("cuda",)
-NATIVE_KERNEL = ("vLLM's native paged kernels (vllm._C reshape_and_cache_flash writer, "
-                 "vllm_flash_attn paged FlashAttention)")
-NATIVE_MODULES = ("vllm._C", "vllm.vllm_flash_attn")
+NATIVE_KERNEL = ("vLLM's native paged kernels (its compiled ops' reshape_and_cache_flash "
+                 "writer, vllm_flash_attn paged FlashAttention)")
+# vLLM's compiled ops: one extension, named ``_C`` in some releases and
+# ``_C_stable_libtorch`` in others (0.30 ships only the latter); whichever is installed.
+COMPILED_OPS = ("vllm._C", "vllm._C_stable_libtorch")
+FLASH_ATTN_MODULE = "vllm.vllm_flash_attn"
 
 
 def declared_devices(cls: Any) -> tuple[str, ...] | None:
@@ -57,14 +60,28 @@ def declared_devices(cls: Any) -> tuple[str, ...] | None:
 
 
 def native_kernels_missing() -> str | None:
-    """Why vLLM's compiled paged kernels cannot be loaded here, or None."""
-    for name in NATIVE_MODULES:
+    """Why vLLM's compiled paged kernels cannot be loaded here (one line), or None.
+
+    Loaded, not just looked up: an extension built for another torch is installed
+    but unusable, and its import error says so.
+    """
+    ops = next((name for name in COMPILED_OPS if _installed(name)), None)
+    if ops is None:
+        return f"none of {', '.join(COMPILED_OPS)} is installed (vLLM without its compiled ops)"
+    for name in (ops, FLASH_ATTN_MODULE):
         try:
-            if importlib.util.find_spec(name) is None:
-                return f"{name} is not installed"
-        except (ImportError, ValueError) as exc:
-            return f"{name}: {exc}"
+            importlib.import_module(name)
+        except Exception as exc:  # ImportError, OSError: whatever keeps it from loading
+            text = " ".join(f"{type(exc).__name__}: {exc}".split())
+            return f"{name} does not load: {text}"
     return None
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that does not import
+        return False
 
 
 @dataclass(frozen=True)

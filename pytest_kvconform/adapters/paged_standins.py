@@ -2,14 +2,15 @@
 
 Each reads K/V from the allocated view (``ctx.layer.kv_cache``, ``[B, H, N, 2*D]``)
 through the block table in ``ctx.native_metadata``, the way a paged kernel does,
-so KV-L7 runs on CPU (and on CUDA without vLLM's compiled kernels).  ``PAGED_OK`` and
-``PAGED_OK_BS`` read correctly; the others carry one seeded mistake each, and
-``kvconform selftest`` plants those mistakes into the conforming ones
-(``adapters/plants.py``).
+so KV-L7 runs on any device.  Two read correctly (one per layout family); the
+others carry one seeded mistake each, and KV-L7 must fail them naming the first wrong
+block: the evidence that the check can fail, on CPU in the plugin's own tests and on
+CUDA in ``kvconform gpu-check``.  ``kvconform selftest`` plants each misread into a
+conforming stand-in (``adapters/plants.py``) and checks that KV-L7 fails it there.
 
-Registered through the plugin's hook: load this module as a plugin
-(``-p pytest_kvconform.adapters.paged_standins``, or ``-p tests.paged_standins`` from
-the repository), or return :data:`STANDINS` from your own hook.  Imports torch.
+A pytest plugin module: ``-p pytest_kvconform.adapters.paged_standins`` registers them
+through the plugin's hook (``pytest_kvconform_backends``).  Shipped in the package so the
+installed ``kvconform gpu-check`` can load them.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class _PagedBackend:
     paged_kv_devices: tuple[str, ...] = ("cpu", "cuda")
     NEED = False
     IMPL: type = ReadsThroughTable
+    MISREADS = False  # KV-L7 must fail it, naming the first wrong block
 
     @classmethod
     def indexes_kv_by_block_stride(cls) -> bool:
@@ -112,26 +114,33 @@ class PagedOkBlockStride(_PagedBackend):
 
 class PagedIgnoresTable(_PagedBackend):
     IMPL = IgnoresTable
+    MISREADS = True
 
 
 class PagedWrongStride(_PagedBackend):
     NEED = True
     IMPL = WrongBlockStride
+    MISREADS = True
 
 
 class PagedTruncates(_PagedBackend):
     IMPL = TruncatesPartialBlock
+    MISREADS = True
 
 
 class PagedCudaOnly(_PagedBackend):
     paged_kv_devices = ("cuda",)
 
 
-STANDINS = {"PAGED_OK": PagedOk, "PAGED_OK_BS": PagedOkBlockStride,
-            "PAGED_NO_TABLE": PagedIgnoresTable, "PAGED_BAD_STRIDE": PagedWrongStride,
-            "PAGED_TRUNCATES": PagedTruncates,
-            "PAGED_CUDA_ONLY": PagedCudaOnly}
+STANDINS: dict[str, type[_PagedBackend]] = {
+    "PAGED_OK": PagedOk, "PAGED_OK_BS": PagedOkBlockStride,
+    "PAGED_NO_TABLE": PagedIgnoresTable, "PAGED_BAD_STRIDE": PagedWrongStride,
+    "PAGED_TRUNCATES": PagedTruncates, "PAGED_CUDA_ONLY": PagedCudaOnly}
+# What KV-L7 must find for each: a conforming read passes, a seeded misread fails.
+MISREADS = frozenset(name for name, cls in STANDINS.items() if cls.MISREADS)
+CONFORMING = frozenset(STANDINS) - MISREADS
 
 
 def pytest_kvconform_backends(config: Any) -> dict[str, type]:
+    """The plugin's hook: every stand-in, under its name."""
     return dict(STANDINS)

@@ -25,6 +25,8 @@ from pytest_kvconform.contract.records import BackendUnderTest, Case
 
 CLAUSE = "KV-L7"
 QUERY_HEADS_PER_KV_HEAD = 2  # GQA, so a backend that pairs heads wrongly is caught too
+# How a failure names where the misread starts (what a localised failure says).
+FIRST_WRONG_BLOCK = "first block whose output differs"
 # Max abs error allowed against the float64 reference, per dtype of Q/K/V.
 TOLERANCE = {"float32": 1e-3, "float16": 6e-3, "bfloat16": 3e-2}
 _SEED = 20260
@@ -298,7 +300,7 @@ class _Ctx:
                      "batch (several requests or query tokens at once)")
         else:
             j, probe_err = first
-            where = (f"first block whose output differs: logical block {j} (physical block "
+            where = (f"{FIRST_WRONG_BLOCK}: logical block {j} (physical block "
                      f"{table[j]}; probe error {probe_err:.3g})")
         raise self._fail(
             f"{step.name}, layer {layer}, request {row.request} (seq_len {row.seq_len}, "
