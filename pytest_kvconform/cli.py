@@ -5,8 +5,8 @@ self-test the suite on the installed stack (``selftest``, which imports it when 
 Exit codes: 0 success, 1 a check that failed or could not run (``run``, ``gpu-check``)
 or a ``selftest`` that did not catch every seedable fault, 2 a bad file, an unmergeable
 set of reports, a usage error, or a subcommand that is not available (``gpu-check`` on
-a host without CUDA or vLLM's compiled kernels).  Every error is one line on stderr
-naming the file or the host it is about.
+a host without CUDA or vLLM's compiled kernels), 130 a ``selftest`` interrupted.  Every
+error is one line on stderr naming the file or the host it is about.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pytest_kvconform.report.build import (
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 def _error(message: str) -> int:
@@ -194,9 +195,14 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
                           "or its parent is missing)")
     from pytest_kvconform import selftest
 
-    found = selftest.run([f.name for f in faults], jobs=args.jobs, timeout=args.timeout,
-                         progress=lambda line: print(f"kvconform selftest: {line}",
-                                                     file=sys.stderr, flush=True))
+    try:
+        found = selftest.run([f.name for f in faults], jobs=args.jobs, timeout=args.timeout,
+                             progress=lambda line: print(f"kvconform selftest: {line}",
+                                                         file=sys.stderr, flush=True))
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: its processes are gone already
+        print(f"kvconform selftest: interrupted ({type(exc).__name__}); no verdict",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     sys.stdout.write(selftest.render(found))
     if args.json is not None:
         import json

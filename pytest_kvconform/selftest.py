@@ -26,7 +26,9 @@ import gc
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -192,6 +194,9 @@ def _child_main(task: _Task, backends: Mapping[str | None, BackendUnderTest], co
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # Python's streams onto those descriptors too (a caller's may write elsewhere: pytest's).
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
     forkserver.attach_after_fork(shared)
     try:
         reply: tuple[str, Any] = ("ok", _run_checks(task, backends))
@@ -282,7 +287,7 @@ def _run_all(tasks: Sequence[_Task], backends: Mapping[str | None, BackendUnderT
              shared: Mapping[str, Any] | None, jobs: int, timeout: float,
              progress: Callable[[str], None]) -> dict[_Task, _Output]:
     """Every task in a child of its own, ``jobs`` at a time; their outputs."""
-    logdir = tempdirs.make("selftest")
+    logdir = tempdirs.make("selftest")  # its logs' tails are in the outputs: removed after
     pending = list(tasks)
     running: list[_Child] = []
     outputs: dict[_Task, _Output] = {}
@@ -302,6 +307,7 @@ def _run_all(tasks: Sequence[_Task], backends: Mapping[str | None, BackendUnderT
     finally:
         for child in running:
             child.kill()
+        shutil.rmtree(logdir, ignore_errors=True)
     return outputs
 
 
@@ -436,24 +442,35 @@ def run(faults: Sequence[str | Fault] | None = None, *, jobs: int = DEFAULT_JOBS
     """Seed each fault (a registry name or a :class:`Fault`; all of the registry when None)
     in a child of its own; judge each against the clean baseline.  An unknown name raises
     ValueError before anything is imported."""
-    from pytest_kvconform.adapters import compat
-
     chosen = _chosen(faults)
     if jobs < 1:
         raise ValueError(f"selftest: jobs={jobs}; expected 1 or more")
     started = time.monotonic()
-    with run_env.applied(), run_env.applied(run_env.CPU_DEFAULTS), \
-            _prepared(chosen) as stack:
-        prepare_s = round(time.monotonic() - started, 2)
-        progress(f"stack imported, plugins loaded, backends discovered in {prepare_s:.1f}s "
-                 f"({stack.printed} import messages)")
-        backends, unusable = _backend_records({f.backend for f in chosen}, stack.registry)
-        why_not = {f.name: unusable.get(f.backend or "") or f.unseedable() for f in chosen}
-        seedable = [f for f in chosen if why_not[f.name] is None]
-        baselines = _baselines(seedable)
-        seeded = {f.name: _Task(f.name, selection(f), f) for f in seedable}
-        outputs = _run_all([*baselines, *seeded.values()], backends, stack.server, jobs,
-                           timeout, progress)
+    undo_sigterm = lifetime.terminate_as_interrupt()  # SIGTERM unwinds as Ctrl-C does:
+    try:                                              # the children and the server stop
+        with run_env.applied(), run_env.applied(run_env.CPU_DEFAULTS), \
+                _prepared(chosen) as stack:
+            return _run_prepared(chosen, stack, jobs, timeout, progress, started)
+    finally:
+        if undo_sigterm is not None:
+            undo_sigterm()
+
+
+def _run_prepared(chosen: Sequence[Fault], stack: _Stack, jobs: int, timeout: float,
+                  progress: Callable[[str], None], started: float) -> SelftestRun:
+    """The runs, forked from this prepared process, and their verdicts."""
+    from pytest_kvconform.adapters import compat
+
+    prepare_s = round(time.monotonic() - started, 2)
+    progress(f"stack imported, plugins loaded, backends discovered in {prepare_s:.1f}s "
+             f"({stack.printed} import messages)")
+    backends, unusable = _backend_records({f.backend for f in chosen}, stack.registry)
+    why_not = {f.name: unusable.get(f.backend or "") or f.unseedable() for f in chosen}
+    seedable = [f for f in chosen if why_not[f.name] is None]
+    baselines = _baselines(seedable)
+    seeded = {f.name: _Task(f.name, selection(f), f) for f in seedable}
+    outputs = _run_all([*baselines, *seeded.values()], backends, stack.server, jobs,
+                       timeout, progress)
     found = SelftestRun(compat.versions(), [], import_messages=stack.printed,
                         prepare_s=prepare_s, jobs=jobs)
     clean: dict[tuple[Any, ...], dict[str, CheckResult]] = {}

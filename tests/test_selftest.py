@@ -193,7 +193,48 @@ def test_selftest_reports_what_the_suite_catches_and_what_it_cannot_see(tmp_path
         {"failed"}
 
 
+def _resolver_that(does: Any, name: str) -> Fault:
+    return dataclasses.replace(REGISTRY["wrong_pin"], name=name, patches=(
+        plants.Patch(plants.RESOLVER, lambda original: does),))
+
+
+@needs_omni
+def test_a_run_that_hangs_or_dies_is_an_error_and_leaves_no_process() -> None:
+    """A run past its time limit is killed; a run whose process dies is named with its exit
+    status; both are errors (exit status 1), never caught, and no child is left."""
+    import os
+    import time
+
+    def hang(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(3600)
+
+    def die(*args: Any, **kwargs: Any) -> Any:
+        print("about to die", flush=True)
+        os._exit(3)
+
+    found = selftest.run([_resolver_that(hang, "hangs"), _resolver_that(die, "dies")],
+                         timeout=5)
+    errors = {r.fault.name: r.detail for r in found.faults}
+    assert [r.outcome for r in found.faults] == ["error", "error"] and found.exit_code == 1
+    assert errors["hangs"].startswith("its run failed: did not finish within 5s and was killed")
+    assert errors["dies"].startswith("its run failed: its process ended without a result "
+                                     "(exit code 3)")
+    assert "--- its output (tail) ---\nabout to die" in errors["dies"]
+    assert multiprocessing.active_children() == []
+
+
 # --- the command ------------------------------------------------------------------------
+
+
+def test_cli_interrupted_says_so(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(selftest, "run", interrupted)
+    assert main(["selftest", "--fault", "wrong_pin"]) == 130
+    assert capsys.readouterr().err == ("kvconform selftest: interrupted (KeyboardInterrupt); "
+                                       "no verdict\n")
+
 
 
 def test_cli_refuses_an_unknown_fault_and_an_unwritable_json_path(
