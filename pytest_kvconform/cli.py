@@ -173,7 +173,7 @@ class _GrabReport:
 
 def _cmd_selftest(args: argparse.Namespace) -> int:
     """Seed each known production fault in a fresh process and check the suite catches it
-    (``pytest_kvconform/selftest.py``); the account on stdout, progress on stderr."""
+    (``pytest_kvconform/selftest/``); the account on stdout, progress on stderr."""
     from pytest_kvconform.adapters import fault_registry
 
     try:
@@ -193,22 +193,22 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
         if Path(args.json).is_dir() or not parent.is_dir():
             return _error(f"{args.json}: cannot write the selftest's JSON there (a directory, "
                           "or its parent is missing)")
-    from pytest_kvconform import selftest
+    from pytest_kvconform.selftest import runner, verdict
 
     try:
-        found = selftest.run([f.name for f in faults], jobs=args.jobs, timeout=args.timeout,
+        found = runner.run([f.name for f in faults], jobs=args.jobs, timeout=args.timeout,
                              progress=lambda line: print(f"kvconform selftest: {line}",
                                                          file=sys.stderr, flush=True))
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: its processes are gone already
         print(f"kvconform selftest: interrupted ({type(exc).__name__}); no verdict",
               file=sys.stderr)
         return EXIT_INTERRUPTED
-    sys.stdout.write(selftest.render(found))
+    sys.stdout.write(verdict.render(found))
     if args.json is not None:
         import json
 
         try:
-            Path(args.json).write_text(json.dumps(selftest.as_json(found), indent=1) + "\n",
+            Path(args.json).write_text(json.dumps(verdict.as_json(found), indent=1) + "\n",
                                        encoding="utf-8")
         except OSError as exc:
             return _error(f"{args.json}: cannot write: {exc.strerror or exc}")

@@ -1,4 +1,5 @@
-"""Faults seeded inside the KV-A worker side, for the harness's own tests.
+"""Faults seeded inside the KV-A worker side, for the harness's own tests and
+``kvconform selftest`` (its registry: ``adapters/fault_registry.py``).
 
 A seeded fault reaches the processes that host production's worker through
 ``$KVCONFORM_WORKER_FAULT`` (forwarded with every worker command, inherited by the
