@@ -52,19 +52,16 @@ class Selection:
         """The baseline it is compared with: same corrections, backend and cases."""
         return self.beside, self.backend, self.cases
 
-    def describe(self) -> str:
-        parts = [self.backend or "no backend", "/".join(self.cases), ", ".join(self.clauses)]
-        if self.beside:
-            parts.append(f"beside {', '.join(self.beside)}")
-        return "; ".join(parts)
-
 
 def selection(fault: Fault) -> Selection:
+    """What a fault's run checks."""
     return Selection(fault.backend, fault.cases, fault.clauses, fault.beside)
 
 
 @dataclass(frozen=True)
 class Task:
+    """One run: a fault's, or (``fault`` None) the clean baseline of a group."""
+
     label: str
     selection: Selection
     fault: Fault | None  # None: the clean baseline of the selection's group
@@ -84,8 +81,8 @@ def run_checks(task: Task, backends: Mapping[str | None, BackendUnderTest]) -> l
 
 
 def child_main(task: Task, backends: Mapping[str | None, BackendUnderTest], conn: Any,
-                lifeline: Any, parent_pid: int, shared: Mapping[str, Any] | None,
-                log_path: str) -> None:
+               lifeline: Any, parent_pid: int, shared: Mapping[str, Any] | None,
+               log_path: str) -> None:
     """A forked child: tie to the parent, log to a file, run, send the results back."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a child stops
     lifetime.tie_to_parent(parent_pid, lifeline)
@@ -109,6 +106,8 @@ def child_main(task: Task, backends: Mapping[str | None, BackendUnderTest], conn
 
 @dataclass
 class Output:
+    """What a run sent back: its results, or why there are none."""
+
     results: list[CheckResult] | None
     error: str | None
     duration_s: float
@@ -183,8 +182,8 @@ class Child:
 
 
 def run_all(tasks: Sequence[Task], backends: Mapping[str | None, BackendUnderTest],
-             shared: Mapping[str, Any] | None, jobs: int, timeout: float,
-             progress: Callable[[str], None]) -> dict[Task, Output]:
+            shared: Mapping[str, Any] | None, jobs: int, timeout: float,
+            progress: Callable[[str], None]) -> dict[Task, Output]:
     """Every task in a child of its own, ``jobs`` at a time; their outputs."""
     logdir = tempdirs.make("selftest")  # its logs' tails are in the outputs: removed after
     pending = list(tasks)
@@ -211,6 +210,7 @@ def run_all(tasks: Sequence[Task], backends: Mapping[str | None, BackendUnderTes
 
 
 def progress_line(task: Task, output: Output, done: int, total: int) -> str:
+    """One line as each run ends: what its results were, and how long it took."""
     what = "clean" if task.fault is None else "seeded"
     if output.results is None:
         ran = f"error: {first_line(output.error or '')}"

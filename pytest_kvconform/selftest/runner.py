@@ -172,8 +172,8 @@ def _run_prepared(chosen: Sequence[Fault], stack: _Stack, jobs: int, timeout: fl
     seedable = [f for f in chosen if why_not[f.name] is None]
     baselines = _baselines(seedable)
     seeded = {f.name: Task(f.name, selection(f), f) for f in seedable}
-    outputs = run_all([*baselines, *seeded.values()], backends, stack.server, jobs,
-                       timeout, progress)
+    outputs = run_all([*baselines, *seeded.values()], backends, stack.server, jobs, timeout,
+                      progress)
     found = SelftestRun(compat.versions(), [], import_messages=stack.printed,
                         prepare_s=prepare_s, jobs=jobs, device=DEVICE)
     clean: dict[tuple[Any, ...], dict[str, CheckResult]] = {}
