@@ -64,7 +64,8 @@ def _prepared(faults: Sequence[Fault]) -> Iterator[_Stack]:
                 with contextlib.suppress(ImportError):
                     importlib.import_module(name)
             omni_plugins.load_plugins("production")
-            registry, _ = discovery.registry_backends()
+            registry, _ = discovery.registry_backends(  # only those the checks run on
+                {f.backend for f in faults if f.backend is not None})
             for fault in faults:
                 for clause in clauses_mod.select(fault.clauses):
                     for check in clause.checks:
