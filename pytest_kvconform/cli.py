@@ -1,6 +1,7 @@
-"""``kvconform``: show, validate and merge qualification reports (stdlib only), run the
-suite, run the GPU checks (``gpu-check``, which imports its layer when called), and
-self-test the suite on the installed stack (``selftest``, which imports it when called).
+"""``kvconform``: show, validate and merge qualification reports (stdlib only), validate
+expected-failures files, run the suite, run the GPU checks (``gpu-check``, which imports
+its layer when called), and self-test the suite on the installed stack (``selftest``,
+which imports it when called).
 
 Exit codes: 0 success, 1 a check that failed or could not run (``run``, ``gpu-check``)
 or a ``selftest`` that did not catch every seedable fault, 2 a bad file, an unmergeable
@@ -64,6 +65,15 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     for path in args.reports:
+        if path.endswith(".toml"):  # an expected-failures file (--kv-xfails)
+            from pytest_kvconform.session.xfails import XfailFileError, load_xfails
+
+            try:
+                entries = load_xfails(path)
+            except XfailFileError as exc:
+                return _error(str(exc))
+            print(f"{path}: valid (expected failures: {len(entries)} entries)")
+            continue
         try:
             _load_valid(path)
             check_pair(path)  # the Markdown next to it, if any, is of the same run
@@ -225,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("report")
     show.set_defaults(func=_cmd_show)
 
-    validate = sub.add_parser("validate", help="check reports against the schema")
-    validate.add_argument("reports", nargs="+", metavar="REPORT")
+    validate = sub.add_parser("validate", help="check reports (and expected-failures files, "
+                              "*.toml) against their schema")
+    validate.add_argument("reports", nargs="+", metavar="REPORT|XFAILS.toml")
     validate.set_defaults(func=_cmd_validate)
 
     merge = sub.add_parser("merge", help="merge reports from several hosts into one matrix")

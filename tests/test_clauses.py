@@ -227,8 +227,26 @@ def test_rows_render_for_the_readme() -> None:
     rows = clauses.as_rows()
     assert [r["clause"] for r in rows] == list(clauses.BY_ID)
     l8 = rows[7]
-    assert l8["tests"] == ["test_kv_l8_canonical", "test_kv_l8_alias",
-                           "test_kv_l8_worker_alias", "test_kv_l8_env"]
+    assert l8["tests"] == ["test_kv_l8_canonical_honoured", "test_kv_l8_canonical_refused",
+                           "test_kv_l8_alias", "test_kv_l8_worker_disagreement",
+                           "test_kv_l8_worker_alias", "test_kv_l8_env_honoured",
+                           "test_kv_l8_env_refused"]
+    a4 = rows[-3]
+    assert a4["tests"] == ["test_kv_a4_unadopted", "test_kv_a4_unadopted_seam",
+                           "test_kv_a4_disagreement", "test_kv_a4_disagreement_seam",
+                           "test_kv_a4_contradiction", "test_kv_a4_contradiction_seam"]
+
+
+def test_every_control_names_a_check_of_the_table() -> None:
+    """A check's neighbouring controls are suite tests the table generates; a seam check's
+    are seam ones, a backend check's are not (their results share a backend column)."""
+    names = clauses.check_names()
+    for name, (_, check) in names.items():
+        for control in check.controls:
+            assert control in names, (name, control)
+            assert names[control][1].seam == check.seam, (name, control)
+    assert names["test_kv_l8_worker_alias"][1].controls == ("test_kv_l8_worker_disagreement",)
+    assert names["test_kv_a4_contradiction_seam"][1].controls == ("test_kv_a3_seam",)
 
 
 # --- light at import --------------------------------------------------------------------------

@@ -58,6 +58,23 @@ def test_validate(two_reports: tuple[Path, Path], tmp_path: Path, capsys: Any) -
     assert len(err.splitlines()) == 1
 
 
+def test_validate_checks_an_expected_failures_file(tmp_path: Path, capsys: Any) -> None:
+    """``kvconform validate known.toml``: the same schema ``--kv-xfails`` enforces."""
+    from importlib import resources
+
+    known = str(resources.files("pytest_kvconform.known") / "vllm_omni_0_30.toml")
+    assert main(["validate", known]) == 0
+    assert capsys.readouterr().out.strip() == (f"{known}: valid (expected failures: 8 "
+                                               "entries)")
+    vague = tmp_path / "vague.toml"
+    vague.write_text('[[xfail]]\nbackend = "*"\nclause = "KV-A4"\nreason = "fails"\n')
+    assert main(["validate", str(vague)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"kvconform: error: {vague}: [[xfail]] entry 1: key 'test': missing "
+                   "(required): the failing control, one suite test function (e.g. "
+                   "'test_kv_a4_unadopted')")
+
+
 @pytest.mark.parametrize(
     ("content", "expected"),
     [

@@ -24,7 +24,8 @@ pytestmark = needs_omni
 
 
 def _toml(entries: list[dict[str, str]]) -> str:
-    return "\n".join("[[xfail]]\n" + "".join(f"{k} = {v!r}\n" for k, v in e.items())
+    # JSON strings are TOML basic strings: a pattern's backslashes survive the round trip.
+    return "\n".join("[[xfail]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in e.items())
                      for e in entries)
 
 
@@ -65,3 +66,43 @@ def test_each_entry_is_needed(pytester: pytest.Pytester, kv_run, index: int) -> 
         assert test_id.startswith(prefix), test_id
         if removed["backend"] != "*":
             assert f"[{removed['backend']}]" in test_id
+
+
+ALIAS = next(e for e in ENTRIES if e["test"] == "test_kv_l8_alias")
+ALIAS_RUN = ("--kv-backend", "TORCH_SDPA", "-k", "kv_l8_alias", "--kv-strict", "-rfx",
+             "--kv-report", "r.json")
+
+
+@pytest.mark.parametrize("match", [
+    r"KeyError\('NHD'\)",  # one of the failure's two problems (HND's is the other)
+    "disagrees with the layout resolved by the control plane",  # another finding's failure
+])
+def test_no_finding_absorbs_a_failure_it_does_not_describe(pytester: pytest.Pytester, kv_run,
+                                                           match: str) -> None:
+    """An entry covering a test that fails another way: the failure stays a failure, named
+    as differing from the entry, and blocks qualification."""
+    known = pytester.makefile(".toml", known=_toml([{**ALIAS, "match": match}]))
+    result = kv_run(*ALIAS_RUN, "--kv-xfails", str(known))
+    result.assert_outcomes(failed=1)
+    entry = "known.toml:1 */KV-L8/test_kv_l8_alias"
+    result.stdout.fnmatch_lines([
+        "*- kvconform: known finding -*",
+        f"differs from known finding {entry} (it expects a failure matching /*/): resolve_*",
+        f"*kvconform: verdict: not qualified (differs from known finding {entry}: KV-L8 "
+        "test_kv_l8_alias[[]TORCH_SDPA]; left out: *",
+        "FAILED *test_kv_l8_alias[[]TORCH_SDPA] - differs from known find*"])
+    (row,) = json.loads((pytester.path / "r.json").read_text())["results"]
+    assert (row["status"], row["xfail"]) == ("failed", entry)
+    assert row["reason"].startswith(f"differs from known finding {entry} (it expects a failure "
+                                    f"matching /{match}/): KV-L8 violated [backend=TORCH_SDPA")
+    assert "bare KeyError('HND')" in row["reason"]
+
+
+def test_the_shipped_finding_absorbs_the_failure_it_describes(pytester: pytest.Pytester,
+                                                               kv_run) -> None:
+    known = pytester.makefile(".toml", known=_toml([ALIAS]))
+    result = kv_run(*ALIAS_RUN, "--kv-xfails", str(known))
+    result.assert_outcomes(xfailed=1)
+    (row,) = json.loads((pytester.path / "r.json").read_text())["results"]
+    assert (row["status"], row["xfail"]) == ("xfailed", "known.toml:1 */KV-L8/test_kv_l8_alias")
+    result.stdout.fnmatch_lines(["*kvconform: verdict: partial (left out: -k *"])

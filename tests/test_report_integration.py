@@ -17,6 +17,8 @@ INT_FLAG_ENTRY = '''
 [[xfail]]
 backend = "INT_FLAG"
 clause = "KV-L1"
+test = "test_kv_l1"
+match = "returned 1 of type int; a real bool is required"
 reason = "returns an int"
 '''
 SELECT = ("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-backend", "INT_FLAG")
@@ -60,12 +62,14 @@ def test_xfails_match_and_stale_entry_warned(pytester: pytest.Pytester, kv_run) 
         [[xfail]]
         backend = "NOT_THERE"
         clause = "KV-L2"
+        test = "test_kv_l2"
+        match = "."
         reason = "stale"
     ''')
     result = kv_run(*SELECT, "-rx", "--kv-xfails", str(xf), "--kv-report", "r.json")
     result.assert_outcomes(passed=1, xfailed=1)
-    result.stdout.fnmatch_lines(["*stale xfail entry known.toml:2 NOT_THERE/KV-L2 matched no "
-                                 "test*"])
+    result.stdout.fnmatch_lines(["*stale xfail entry known.toml:2 NOT_THERE/KV-L2/test_kv_l2 "
+                                 "matched no test*"])
     statuses = {r["backend"]: r["status"] for r in _results(pytester.path / "r.json")}
     assert statuses == {"GOOD": "passed", "INT_FLAG": "xfailed"}
 
@@ -77,12 +81,19 @@ def test_strict_mode_fails_on_xpass_and_names_verdict(pytester: pytest.Pytester,
         [[xfail]]
         backend = "GOOD"
         clause = "KV-L1"
+        test = "test_kv_l1"
+        match = "."
         reason = "claims a failure that is fixed"
     ''')
     result = kv_run("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-xfails", str(xf),
-                    "--kv-strict")
+                    "--kv-strict", "--kv-report", "r.json")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*kvconform: verdict: not qualified*"])
+    result.stdout.fnmatch_lines(["*kvconform: verdict: not qualified (xpassed (a known finding "
+                                 "no longer fails: remove its entry): KV-L1 test_kv_l1[[]GOOD]; "
+                                 "left out: *"])
+    (row,) = _results(pytester.path / "r.json")
+    assert row["status"] == "xpassed"  # pytest fails it (strict); the report says what it is
+    assert row["reason"].startswith("[XPASS(strict)] known: claims a failure that is fixed")
 
 
 def test_strict_mode_forgives_missing_hardware_only(pytester: pytest.Pytester, kv_run) -> None:
@@ -108,6 +119,8 @@ def test_deselected_or_unselected_entries_are_not_stale(pytester: pytest.Pyteste
         [[xfail]]
         backend = "GOOD"
         clause = "KV-L2"
+        test = "test_kv_l2"
+        match = "."
         reason = "deselected by -k below"
     ''')
     result = kv_run("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-xfails", str(xf))
@@ -119,13 +132,14 @@ def test_stale_detection_under_xdist(pytester: pytest.Pytester) -> None:
     register_backends(pytester, GOOD_AND_INT_FLAG)
     xf = pytester.makefile(".toml", known=INT_FLAG_ENTRY + '''
         [[xfail]]
-        backend = "*"
-        clause = "KV-L5"
-        test = "test_kv_l5_nothing"
+        backend = "NOT_THERE"
+        clause = "KV-L2"
+        test = "test_kv_l2"
+        match = "."
         reason = "names no test"
     ''')
     result = pytester.runpytest("--kv-conformance", "-p", "no:cacheprovider", *SELECT,
                                 "-n", "2", "--kv-xfails", str(xf))
     result.assert_outcomes(passed=1, xfailed=1)
-    result.stdout.fnmatch_lines(["*stale xfail entry known.toml:2 */KV-L5/test_kv_l5_nothing*"])
+    result.stdout.fnmatch_lines(["*stale xfail entry known.toml:2 NOT_THERE/KV-L2/test_kv_l2*"])
     assert "known.toml:1" not in result.stdout.str()

@@ -48,20 +48,20 @@ def _runs_here(fault: str) -> None:
 def test_unpatched_selection(kv_run) -> None:
     """Only the contradiction control fails: production's per-layer assertion is vacuous."""
     result = kv_run(*PAGED, "-k", "(kv_a1 or kv_a2 or kv_a3 or kv_a4) and bf16_h8")
-    expect_run(result, passed=9, failed=3, clauses=["KV-A4"] * 3, lines=[CONTRADICTION])
+    expect_run(result, passed=15, failed=3, clauses=["KV-A4"] * 3, lines=[CONTRADICTION])
 
 
 def test_a_runner_that_asserts_each_layers_backend_passes_kv_a4(seed: Seeder, kv_run) -> None:
     """KV-A4's contradiction control can pass: with the runner corrected, it refuses."""
     seed.worker_fault("assert_layer_backends")
     result = kv_run(*PAGED, "-k", "kv_a4")
-    expect_run(result, passed=6)
+    expect_run(result, passed=18)
 
 
 def test_a_runner_that_skips_the_layer_assertion_fails_kv_a4(seed: Seeder, kv_run) -> None:
     seed.worker_fault("assert_layer_backends,skip_layer_assertion")
     result = kv_run(*PAGED, "-k", "kv_a4")
-    expect_run(result, failed=6, clauses=["KV-A4"] * 6, lines=[CONTRADICTION])
+    expect_run(result, failed=6, passed=12, clauses=["KV-A4"] * 6, lines=[CONTRADICTION])
 
 
 @pytest.mark.parametrize("fault", ["skip_adoption", "allocate_before_adopting"])
@@ -80,8 +80,10 @@ def test_a_runner_that_skips_adoption_fails_kv_a4s_disagreement_control(
     """Pinned elsewhere, a worker that never adopts never raises the disagreement error."""
     seed.worker_fault("skip_adoption")
     result = kv_run(*PAGED, "-k", "kv_a4 and bf16_h8")
-    expect_run(result, failed=3, clauses=["KV-A4"] * 3,
+    expect_run(result, failed=3, passed=6, clauses=["KV-A4"] * 3,
                lines=["*KV-A4 violated*without the disagreement error*"])
+    _passed, _skipped, failed = result.reprec.listoutcomes()  # type: ignore[attr-defined]
+    assert all("test_kv_a4_disagreement" in r.nodeid for r in failed)
 
 
 def test_a_worker_that_takes_another_ranks_config_fails_kv_a3_and_a5(
@@ -99,7 +101,7 @@ def test_a_uniproc_executor_sharing_its_cache_config_fails_kv_a4(seed: Seeder, k
     """The inline worker handed the control plane's pinned CacheConfig: adoption is masked."""
     _runs_here("shared_cache_config")
     seed.worker_fault("shared_cache_config")
-    result = kv_run(*PAGED, "-k", "kv_a4 and bf16_h8")
+    result = kv_run(*PAGED, "-k", "kv_a4_unadopted and bf16_h8")
     expect_run(result, failed=3, clauses=["KV-A4"] * 3,
                lines=["*KV-A4 violated*with adoption skipped*the worker allocated*"])
 
@@ -110,7 +112,7 @@ def test_uniproc_never_stamped_configs_fail_kv_a1_a3_and_a4(seed: Seeder, kv_run
     plane's own, already pinned CacheConfig."""
     seed.worker_fault("unstamped_configs")
     result = kv_run(*PAGED, "-k", "(kv_a1 or kv_a3 or kv_a4) and bf16_h8")
-    expect_run(result, failed=9, lines=[
+    expect_run(result, failed=12, passed=3, lines=[
         "*KV-A1 violated*rank 0 KVCacheConfig is not stamped*", "*expected: 'LBNHC'*",
         "*actual:   None*"])
     result.stdout.fnmatch_lines(["*KV-A3 violated*did not adopt the control plane's layout*",

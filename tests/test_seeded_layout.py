@@ -65,11 +65,30 @@ def test_l4_overwriting_a_contradictory_pin_fails(kv_run, seed: Seeder) -> None:
         "indexes_kv_by_block_stride()=False, but resolution accepted it: returned LBNHC*"])
 
 
-def test_l5_silent_assertion_fails(kv_run, seed: Seeder) -> None:
+def test_l5_silent_assertion_fails_the_contradiction_control(kv_run, seed: Seeder) -> None:
     seed.plant(plants.SILENT_ASSERTION)
     result = kv_run("-k", "kv_l5", *SDPA)
-    expect_run(result, failed=1, clauses=["KV-L5"],
-               lines=["*KV-L5 violated*TORCH_SDPA*stayed silent for layout BLHNC*"])
+    expect_run(result, failed=1, passed=2, clauses=["KV-L5"],
+               lines=["*_ test_kv_l5_contradiction?TORCH_SDPA? _*",
+                      "*KV-L5 violated*TORCH_SDPA*stayed silent for layout BLHNC*"])
+
+
+def test_l5_assertion_raising_unresolved_fails_only_that_control(kv_run, seed: Seeder) -> None:
+    """A worker not yet told the layout must not crash; the other two controls hold."""
+    seed.plant(plants.ASSERTION_RAISES_UNRESOLVED)
+    result = kv_run("-k", "kv_l5", *SDPA)
+    expect_run(result, failed=1, passed=2, clauses=["KV-L5"], lines=[
+        "*_ test_kv_l5_unresolved?TORCH_SDPA? _*",
+        "*KV-L5 violated*TORCH_SDPA*raised while the layout is unresolved*"])
+
+
+def test_l5_assertion_refusing_everything_fails_only_the_consistent_control(
+        kv_run, seed: Seeder) -> None:
+    seed.plant(plants.ASSERTION_REFUSES_ALL)
+    result = kv_run("-k", "kv_l5", *SDPA)
+    expect_run(result, failed=1, passed=2, clauses=["KV-L5"], lines=[
+        "*_ test_kv_l5_consistent?TORCH_SDPA? _*",
+        "*KV-L5 violated*TORCH_SDPA*raised for layout LBHNC, which is consistent*"])
 
 
 def test_l6_block_stride_backend_fails_on_the_control_plane(kv_run,
@@ -78,7 +97,7 @@ def test_l6_block_stride_backend_fails_on_the_control_plane(kv_run,
     register_backends(pytester, {"FAKE_BS": seam_backends.NeedTrue})  # paged, needs True
     result = kv_run("-k", "(kv_l3 or kv_l4 or kv_l5 or kv_l6) and not seam",
                     "--kv-backend", "FAKE_BS")
-    expect_run(result, failed=1, passed=3, clauses=["KV-L6"], lines=[
+    expect_run(result, failed=1, passed=5, clauses=["KV-L6"], lines=[
         "*KV-L6 violated*FAKE_BS*the control plane never receives indexes_kv_by_block_stride;"
         " pinned LBNHC for a backend that needs a block-outermost layout*; production's worker"
         " then allocated LBNHC without complaint*",
@@ -88,7 +107,7 @@ def test_l6_block_stride_backend_fails_on_the_control_plane(kv_run,
 def test_l3_to_l6_pass_unpatched(kv_run) -> None:
     result = kv_run("-k", "(kv_l3 or kv_l4 or kv_l5 or kv_l6) and not seam",
                     "--kv-backend", "FLASH_ATTN")
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=6)
 
 
 def test_l6_does_not_apply_to_a_backend_production_serves_no_paged_kv_with(kv_run) -> None:
@@ -164,13 +183,15 @@ def _plant_conforming_l8(seed: Seeder) -> None:
 def test_l8_fails_unpatched_with_named_aliases_and_variable(kv_run) -> None:
     before = os.environ.get("VLLM_KV_CACHE_LAYOUT")
     result = kv_run("-k", "kv_l8", *SDPA)
-    expect_run(result, failed=3, passed=1, clauses=["KV-L8"] * 3, in_order=False, lines=[
+    expect_run(result, failed=4, passed=3, clauses=["KV-L8"] * 4, in_order=False, lines=[
         "*KV-L8 violated*'HND' (upstream's legacy alias for LBHNC) must be honoured as LBHNC, "
         "but it refused it and raised a bare KeyError('HND')*",
         "*KV-L8 violated*worker whose CacheConfig.kv_cache_layout='NHD' (alias of LBNHC) must "
         "adopt*disagrees*",
         "*KV-L8 violated*VLLM_KV_CACHE_LAYOUT=LBHNC*must be honoured, but it was silently "
         "ignored: diffusion resolution pinned LBNHC*",
+        "*KV-L8 violated*VLLM_KV_CACHE_LAYOUT=BLNHC*must be refused with a ValueError, but it "
+        "was silently ignored: diffusion resolution pinned LBNHC*",
     ])
     assert os.environ.get("VLLM_KV_CACHE_LAYOUT") == before  # the check restored it
 
@@ -178,7 +199,20 @@ def test_l8_fails_unpatched_with_named_aliases_and_variable(kv_run) -> None:
 def test_l8_passes_when_resolution_conforms(kv_run, seed: Seeder) -> None:
     _plant_conforming_l8(seed)
     result = kv_run("-k", "kv_l8", *SDPA)
-    expect_run(result, passed=4)
+    expect_run(result, passed=7)
+
+
+def test_l8_an_adoption_that_accepts_every_layout_fails_the_worker_disagreement(
+        kv_run, seed: Seeder) -> None:
+    """The worker alias "passes" when adoption accepts anything: its neighbouring control
+    is what tells that from a fix."""
+    seed.plant(plants.ADOPTS_ANY_LAYOUT)
+    result = kv_run("-k", "kv_l8_worker", *SDPA)
+    expect_run(result, failed=1, passed=1, clauses=["KV-L8"], lines=[
+        "*_ test_kv_l8_worker_disagreement?TORCH_SDPA? _*",
+        "*KV-L8 violated*TORCH_SDPA*a worker whose CacheConfig.kv_cache_layout='LHBNC' must "
+        "refuse the control plane's 'LBHNC' (another layout, not an alias of it), but adoption "
+        "accepted it*"])
 
 
 def test_l6_stand_in_override_is_restored(kv_run) -> None:

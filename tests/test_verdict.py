@@ -55,6 +55,62 @@ def test_left_out_parts_make_the_run_partial(selection: dict[str, Any], phrase: 
         rp.validate_report(report)
 
 
+def _t(test: str, params: str, status: str, clause: str, **extra: Any) -> dict[str, Any]:
+    """A row of suite test ``test[params]`` (backend, case from the params)."""
+    backend, _, case = params.partition("-")
+    return row(f"suite/t.py::{test}[{params}]", clause, status, backend=backend,
+               case=case or None, **extra)
+
+
+def test_the_verdict_names_each_failed_control() -> None:
+    """Failures by suite test, the one that differs from its known finding named so."""
+    results = [
+        _t("test_kv_a4_unadopted", "FLASH_ATTN-bf16_h8", "passed", "KV-A4"),
+        _t("test_kv_a4_disagreement", "FLASH_ATTN-bf16_h8", "failed", "KV-A4"),
+        _t("test_kv_a4_disagreement", "FLASH_ATTN-ws2", "failed", "KV-A4"),
+        _t("test_kv_a4_contradiction", "FLASH_ATTN-bf16_h8", "failed", "KV-A4",
+           xfail="k.toml:7 */KV-A4/test_kv_a4_contradiction"),
+        *[_t("test_kv_l8_alias", b, "failed", "KV-L8") for b in "ABCDE"],
+    ]
+    report = build(results)
+    line = rp.verdict_text(report["verdict"], report["uncovered"], report["selection"],
+                           report["run"], report["results"])
+    assert line == ("not qualified (differs from known finding k.toml:7 */KV-A4/"
+                    "test_kv_a4_contradiction: KV-A4 test_kv_a4_contradiction[FLASH_ATTN-bf16_h8]"
+                    "; failed: KV-A4 test_kv_a4_disagreement[FLASH_ATTN-bf16_h8, FLASH_ATTN-ws2], "
+                    "KV-L8 test_kv_l8_alias[A, B, C, +2 more])")
+    assert "- failed: KV-A4 test_kv_a4_disagreement[FLASH_ATTN-bf16_h8, FLASH_ATTN-ws2]" in \
+        rp.render_markdown(report)
+
+
+def test_a_pass_is_a_fix_only_while_its_controls_hold() -> None:
+    """An xpass whose neighbouring control (the clause table's) failed for the same
+    backend and case is no fix; one whose controls held is; KV-L6's seam test is its own
+    control across the two needs."""
+    alias = _t("test_kv_l8_worker_alias", "FLASH_ATTN", "xpassed", "KV-L8",
+               xfail="k.toml:2 */KV-L8/test_kv_l8_worker_alias")
+    broken = _t("test_kv_l8_worker_disagreement", "FLASH_ATTN", "failed", "KV-L8")
+    held = _t("test_kv_l8_worker_disagreement", "TORCH_SDPA", "failed", "KV-L8")
+    assert rp.not_a_fix([alias, broken]) == {alias["nodeid"]: [broken["nodeid"]]}
+    assert rp.not_a_fix([alias, held]) == {}  # another backend's control
+    assert rp.not_a_fix([alias, {**broken, "status": "xfailed"}]) == {}  # failing as known
+    line = rp.verdict_text("not qualified", [], None, rp.run_record(), [alias, broken])
+    assert ("passes, but no fix of its known finding: KV-L8 test_kv_l8_worker_alias[FLASH_ATTN] "
+            "(its control test_kv_l8_worker_disagreement[FLASH_ATTN] failed)") in line
+    assert "xpassed" not in line
+    fixed = rp.verdict_text("not qualified", [], None, rp.run_record(), [alias])
+    assert "xpassed (a known finding no longer fails: remove its entry): KV-L8 " \
+        "test_kv_l8_worker_alias[FLASH_ATTN]" in fixed
+    need_true = _t("test_kv_l6_seam", "need_True", "xpassed", "KV-L6")
+    need_false = _t("test_kv_l6_seam", "need_False", "failed", "KV-L6")
+    assert rp.not_a_fix([need_true, need_false]) == {need_true["nodeid"]: [need_false["nodeid"]]}
+    contradiction = _t("test_kv_a4_contradiction_seam", "need_True-bf16_h8", "xpassed", "KV-A4")
+    allocation = _t("test_kv_a3_seam", "need_True-bf16_h8", "failed", "KV-A3")
+    other_case = _t("test_kv_a3_seam", "need_True-ws2", "failed", "KV-A3")
+    assert rp.not_a_fix([contradiction, allocation, other_case]) == {
+        contradiction["nodeid"]: [allocation["nodeid"]]}
+
+
 def test_unrecorded_selection_is_at_best_partial() -> None:
     report = rp.build_report(environment=ENVIRONMENT, backends=[backend_record()],
                              results=[row("a")], options={}, strict=True)
@@ -321,8 +377,10 @@ def test_harness_kind_classifies_what_escapes_a_check() -> None:
 def test_xfail_entries_absorb_errors_only_when_they_say_so(tmp_path: Path, value: str,
                                                            absorbs: set[str]) -> None:
     f = tmp_path / "x.toml"
-    f.write_text(f'[[xfail]]\nbackend = "A"\nclause = "KV-A3"\nreason = "r"\nerrors = {value}\n'
-                 '[[xfail]]\nbackend = "A"\nclause = "KV-A3"\nreason = "plain"\n')
+    f.write_text(f'[[xfail]]\nbackend = "A"\nclause = "KV-A3"\ntest = "test_kv_a3"\n'
+                 f'reason = "r"\nerrors = {value}\nmatch = "x"\n'
+                 '[[xfail]]\nbackend = "A"\nclause = "KV-A3"\ntest = "test_kv_a3"\n'
+                 'reason = "plain"\nmatch = "x"\n')
     with_key, plain = xfails.load_xfails(f)
     assert {k for k in outcome_rule.ErrorKind if with_key.absorbs_error(k.value)} == absorbs
     assert not any(plain.absorbs_error(k.value) for k in outcome_rule.ErrorKind)
@@ -330,7 +388,8 @@ def test_xfail_entries_absorb_errors_only_when_they_say_so(tmp_path: Path, value
 
 def test_xfail_errors_key_is_validated(tmp_path: Path) -> None:
     f = tmp_path / "x.toml"
-    f.write_text('[[xfail]]\nbackend = "A"\nclause = "KV-A3"\nreason = "r"\nerrors = "gremlin"\n')
+    f.write_text('[[xfail]]\nbackend = "A"\nclause = "KV-A3"\ntest = "test_kv_a3"\n'
+                 'reason = "r"\nerrors = "gremlin"\n')
     with pytest.raises(xfails.XfailFileError, match=r"x\.toml: \[\[xfail\]\] entry 1: key "
                        r"'errors': unknown harness-error kind 'gremlin'"):
         xfails.load_xfails(f)
@@ -514,6 +573,8 @@ def test_ctrl_c_before_collection_warns_of_no_stale_entry(pytester: pytest.Pytes
         [[xfail]]
         backend = "*"
         clause = "KV-L8"
+        test = "test_kv_l8_alias"
+        match = "KeyError"
         reason = "would match, had collection run"
     ''')
     result = pytester.runpytest(*KV_ARGS, "--kv-xfails", str(known), "--kv-report", "r.json",
@@ -557,6 +618,8 @@ def test_plugin_bug_is_an_error_never_a_failure(pytester: pytest.Pytester, kv_ru
         [[xfail]]
         backend = "GOOD"
         clause = "KV-L1"
+        test = "test_kv_l1"
+        match = "."
         reason = "a clause failure only"
     ''')
     result = kv_run(*KV_L1, "--kv-xfails", str(plain), "--kv-report", "r.json")
@@ -572,6 +635,7 @@ def test_plugin_bug_is_an_error_never_a_failure(pytester: pytest.Pytester, kv_ru
         [[xfail]]
         backend = "GOOD"
         clause = "KV-L1"
+        test = "test_kv_l1"
         reason = "the harness is known broken here"
         errors = ["harness"]
     ''')
@@ -617,6 +681,8 @@ def test_killed_worker_is_an_error_of_kind_worker_died(pytester: pytest.Pytester
         [[xfail]]
         backend = "*"
         clause = "KV-A3"
+        test = "test_kv_a3_seam"
+        match = "."
         reason = "would silently absorb a crash if errors matched"
     ''')
     result = kv_run("-k", "test_kv_a3_seam and need_False and bf16_h8", "--kv-xfails",

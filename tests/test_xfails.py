@@ -19,12 +19,16 @@ GOOD = """
 [[xfail]]
 backend = "FLASH_ATTN"
 clause = "KV-L6"
+test = "test_kv_l6"
+match = "never receives indexes_kv_by_block_stride"
 reason = "vllm-omni 0.30 drops the backend's flag"
 vllm_omni = ">=0.30,<0.31"
 
 [[xfail]]
 backend = "*"
 clause = "KV-S4"
+test = "test_kv_s4"
+match = "padding"
 case = "padded"
 layout = "BLNHC"
 reason = "padding not supported"
@@ -65,8 +69,8 @@ def test_describe_is_stable_and_host_independent(tmp_path: Path) -> None:
     other.mkdir()
     b = load_xfails(write(other, GOOD))
     assert [e.describe() for e in a] == [
-        "xfails.toml:1 FLASH_ATTN/KV-L6",
-        "xfails.toml:2 */KV-S4/padded@BLNHC",
+        "xfails.toml:1 FLASH_ATTN/KV-L6/test_kv_l6",
+        "xfails.toml:2 */KV-S4/test_kv_s4/padded@BLNHC",
     ]
     assert [e.describe() for e in a] == [e.describe() for e in b]
 
@@ -77,13 +81,17 @@ def test_empty_file_gives_no_entries(tmp_path: Path) -> None:
 
 def test_matches(entries: list[XfailEntry]) -> None:
     flash, padded = entries
-    assert flash.matches("FLASH_ATTN", "KV-L6", None, None)
-    assert flash.matches("FLASH_ATTN", "KV-L6", "any-case", "LBHNC")  # unset fields match any
+    assert flash.matches("FLASH_ATTN", "KV-L6", None, None, "test_kv_l6")
+    # unset fields match any
+    assert flash.matches("FLASH_ATTN", "KV-L6", "any-case", "LBHNC", "test_kv_l6")
     assert not flash.matches("SAGE", "KV-L6", None, None)
     assert not flash.matches("FLASH_ATTN", "KV-L7", None, None)
     assert not flash.matches(None, "KV-L6", None, None)
-    assert padded.matches(None, "KV-S4", "padded", "BLNHC")  # "*" names upstream tests too
-    assert padded.matches("SAGE", "KV-S4", "padded", "BLNHC")
+    # "*" names upstream tests too
+    assert padded.matches(None, "KV-S4", "padded", "BLNHC", "test_kv_s4")
+    assert padded.matches("SAGE", "KV-S4", "padded", "BLNHC", "test_kv_s4")
+    assert not flash.matches("FLASH_ATTN", "KV-L6", None, None,
+                             "test_kv_l6_seam")
     assert not padded.matches(None, "KV-S4", "padded", "LBNHC")
     assert not padded.matches(None, "KV-S4", "split", "BLNHC")
     assert not padded.matches(None, "KV-S4", None, "BLNHC")
@@ -111,7 +119,7 @@ def test_applies_to_device(entries: list[XfailEntry]) -> None:
 
 def test_first_match(entries: list[XfailEntry]) -> None:
     found = first_match(entries, backend="FLASH_ATTN", clause="KV-L6", case=None, layout=None,
-                        versions=V030, device_kind="cpu")
+                        versions=V030, device_kind="cpu", test="test_kv_l6")
     assert found is entries[0]
     assert first_match(entries, backend=None, clause="KV-S4", case="padded", layout="BLNHC",
                        versions=V030, device_kind="cpu") is None
@@ -126,27 +134,50 @@ def test_stale_entries(entries: list[XfailEntry]) -> None:
     assert stale_entries(entries, set(), versions=V030, device_kind="cpu") == [flash]
 
 
+L6 = 'backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nmatch = "m"\nreason = "r"\n'
+
+
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ('backend = "A"\nclause = "KV-L6"\nreason = "r"\nbackends = "B"',
+        (L6 + 'backends = "B"',
          r"entry 2: key 'backends': unknown key"),
-        ('backend = "A"\nclause = "KV-L6"', r"entry 2: key 'reason': missing"),
-        ('backend = "A"\nclause = "KV-L6"\nreason = "   "', r"entry 2: key 'reason': must be a"),
-        ('backend = "A"\nclause = "KV-L6"\nreason = "r"\nvllm = "~=banana"',
+        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"',
+         r"entry 2: key 'reason': missing"),
+        ('backend = "A"\nclause = "KV-L6"\nreason = "r"',
+         r"entry 2: key 'test': missing \(required\): the failing control, one suite test "
+         r"function \(e.g. 'test_kv_l6'\)"),
+        ('backend = "A"\nclause = "KV-L6"\ntest = "*"\nmatch = "m"\nreason = "r"',
+         r"entry 2: key 'test': '\*' names no control; name the failing suite test of KV-L6"),
+        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6_nope"\nmatch = "m"\n'
+         'reason = "r"',
+         r"entry 2: key 'test': unknown suite test 'test_kv_l6_nope'; the tests of KV-L6 are "
+         r"test_kv_l6, test_kv_l6_seam"),
+        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l2"\nmatch = "m"\nreason = "r"',
+         r"entry 2: key 'test': 'test_kv_l2' is a test of KV-L2, not of KV-L6"),
+        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nmatch = "(unclosed"\n'
+         'reason = "r"', r"entry 2: key 'match': not a regular expression"),
+        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nskip = "not-applicable"\n'
+         'reason = "r"', r"entry 2: key 'skip': must be one of hardware, environment, backend"),
+        ('backend = "A"\nclause = "KV-L6"\ntest = "test_kv_l6"\nreason = "   "',
+         r"entry 2: key 'reason': must be a"),
+        (L6 + 'vllm = "~=banana"',
          r"entry 2: key 'vllm': bad PEP 440 specifier '~=banana'"),
-        ('backend = "A"\nclause = "KV-L6"\nreason = "r"\nvllm_omni = "0.30"',
+        (L6 + 'vllm_omni = "0.30"',
          r"entry 2: key 'vllm_omni': bad PEP 440 specifier"),
-        ('backend = "A"\nclause = "L6"\nreason = "r"',
+        ('backend = "A"\nclause = "L6"\ntest = "test_kv_l6"\nreason = "r"',
          r"entry 2: key 'clause': bad clause id 'L6'"),
-        ('backend = "A"\nclause = "KV-X1"\nreason = "r"', r"key 'clause': bad clause id"),
-        ('backend = "A"\nclause = "KV-L6"\nreason = "r"\ndevice = "tpu"',
+        ('backend = "A"\nclause = "KV-X1"\ntest = "test_kv_l6"\nreason = "r"',
+         r"key 'clause': bad clause id"),
+        (L6 + 'device = "tpu"',
          r"entry 2: key 'device': must be one of cpu, cuda"),
-        ('backend = 3\nclause = "KV-L6"\nreason = "r"', r"entry 2: key 'backend': must be a"),
+        ('backend = 3\nclause = "KV-L6"\ntest = "test_kv_l6"\nreason = "r"',
+         r"entry 2: key 'backend': must be a"),
     ],
 )
 def test_bad_entry_names_file_index_and_key(tmp_path: Path, body: str, expected: str) -> None:
-    ok = '[[xfail]]\nbackend = "A"\nclause = "KV-L1"\nreason = "fine"\n\n'
+    ok = ('[[xfail]]\nbackend = "A"\nclause = "KV-L1"\ntest = "test_kv_l1"\nmatch = "m"\n'
+          'reason = "fine"\n\n')
     path = write(tmp_path, ok + "[[xfail]]\n" + body + "\n", name="known.toml")
     with pytest.raises(XfailFileError, match=expected) as info:
         load_xfails(path)
@@ -178,10 +209,10 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_test_key_narrows_to_one_suite_function(tmp_path: Path) -> None:
     path = tmp_path / "x.toml"
     path.write_text('[[xfail]]\nbackend = "*"\nclause = "KV-L8"\ntest = "test_kv_l8_alias"\n'
-                    'reason = "aliases"\n')
+                    'match = "KeyError"\nreason = "aliases"\n')
     (entry,) = xfails.load_xfails(path)
     assert entry.matches("FLASH_ATTN", "KV-L8", None, None, "test_kv_l8_alias")
-    assert not entry.matches("FLASH_ATTN", "KV-L8", None, None, "test_kv_l8_canonical")
+    assert not entry.matches("FLASH_ATTN", "KV-L8", None, None, "test_kv_l8_canonical_refused")
     assert "test_kv_l8_alias" in entry.describe()
 
 
@@ -191,3 +222,33 @@ def test_shipped_known_file_loads() -> None:
     known = resources.files("pytest_kvconform.known") / "vllm_omni_0_30.toml"
     entries = xfails.load_xfails(str(known))
     assert entries and all(e.reason and e.vllm_omni is not None for e in entries)
+
+
+def test_an_entry_must_describe_its_failure(tmp_path: Path) -> None:
+    """No pattern, no skip kind, no error kinds: the entry would absorb any failure."""
+    path = write(tmp_path, '[[xfail]]\nbackend = "A"\nclause = "KV-L1"\ntest = "test_kv_l1"\n'
+                 'reason = "r"\n')
+    with pytest.raises(XfailFileError, match=r"entry 1: describes no failure: give 'match'"):
+        load_xfails(path)
+
+
+def test_an_entry_absorbs_only_the_failure_it_describes(tmp_path: Path) -> None:
+    """Every problem of the failure must contain the pattern: one more problem is another
+    failure; a skip entry declares skips of its kind (and reason) only."""
+    path = write(tmp_path, '[[xfail]]\nbackend = "*"\nclause = "KV-L8"\n'
+                 'test = "test_kv_l8_alias"\nmatch = "raised a bare KeyError"\nreason = "r"\n'
+                 '[[xfail]]\nbackend = "X"\nclause = "*"\ntest = "*"\nskip = "backend"\n'
+                 'match = "No module named \'x3\'"\nreason = "r"\n')
+    alias, skip = load_xfails(path)
+    assert alias.describes_failure(["NHD: raised a bare KeyError('NHD')"])
+    assert not alias.describes_failure(["NHD: raised a bare KeyError('NHD')",
+                                        "HND: accepted it: returned BLNHC"])
+    assert not alias.describes_failure(["accepted it"])
+    assert not alias.describes_failure([])
+    assert not alias.describes_skip("backend", "raised a bare KeyError")
+    assert skip.describes_skip("backend", "ImportError: No module named 'x3'")
+    assert not skip.describes_skip("backend", "ImportError: No module named 'x4'")
+    assert not skip.describes_skip("environment", "No module named 'x3'")
+    assert not skip.describes_failure(["No module named 'x3'"])
+    assert alias.expectation() == "a failure matching /raised a bare KeyError/"
+    assert skip.expectation() == "a backend skip matching /No module named 'x3'/"

@@ -119,6 +119,15 @@ _FAULTS: tuple[Fault, ...] = (
              ("KV-L4",), plants.ACCEPTS_CONTRADICTORY_PIN, PLAIN),
     _planted("silent_layout_assertion", "layout", "assert_backend_layout_supported never "
              "raises", ("KV-L5",), plants.SILENT_ASSERTION, PLAIN),
+    _planted("assertion_raises_unresolved", "layout", "assert_backend_layout_supported "
+             "raises while the layout is still unresolved", ("KV-L5",),
+             plants.ASSERTION_RAISES_UNRESOLVED, PLAIN),
+    _planted("assertion_refuses_all", "layout", "assert_backend_layout_supported refuses "
+             "every pinned layout, consistent ones too", ("KV-L5",),
+             plants.ASSERTION_REFUSES_ALL, PLAIN),
+    _planted("adoption_accepts_any_layout", "layout", "adopt_kv_cache_layout takes whatever "
+             "layout the control plane sends over the worker's own pin", ("KV-L8",),
+             plants.ADOPTS_ANY_LAYOUT, PLAIN),
     # --- stride derivation (KV-S) ---
     _planted("hand_strides", "strides", "build_kv_cache_tensor writes layer-outermost "
              "strides whatever the layout", ("KV-S1", "KV-S3"), plants.HAND_STRIDES),

@@ -157,10 +157,41 @@ def _silent_assertion(original: Any) -> Any:
     return assert_backend_layout_supported
 
 
+def _raises_unresolved(original: Any) -> Any:
+    """The layout assertion raises while the layout is still unresolved (KV-L5)."""
+    def assert_backend_layout_supported(vllm_config: Any, attn_backend: Any) -> None:
+        if vllm_config.cache_config.kv_cache_layout is None:
+            raise ValueError("KV cache layout has not been resolved yet")
+        original(vllm_config, attn_backend)
+    return assert_backend_layout_supported
+
+
+def _refuses_all(original: Any) -> Any:
+    """The layout assertion refuses every pinned layout, consistent ones too (KV-L5)."""
+    def assert_backend_layout_supported(vllm_config: Any, attn_backend: Any) -> None:
+        if vllm_config.cache_config.kv_cache_layout is not None:
+            raise ValueError(f"refused {vllm_config.cache_config.kv_cache_layout}")
+    return assert_backend_layout_supported
+
+
+def _adopts_any(original: Any) -> Any:
+    """A worker adopts whatever layout the control plane sends, over its own pin (KV-L8)."""
+    layouts = _layout_enum()
+
+    def adopt_kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> Any:
+        vllm_config.cache_config.kv_cache_layout = kv_cache_config.kv_cache_layout
+        return layouts[kv_cache_config.kv_cache_layout]
+    return adopt_kv_cache_layout
+
+
+_ASSERTION = f"{_LAYOUT}:assert_backend_layout_supported"
 WRONG_PIN = (Patch(RESOLVER, _wrong_pin),)
 OVERWRITES_CONSISTENT_PIN = (Patch(RESOLVER, _overwrites_consistent_pin),)
 ACCEPTS_CONTRADICTORY_PIN = (Patch(RESOLVER, _accepts_contradictory_pin),)
-SILENT_ASSERTION = (Patch(f"{_LAYOUT}:assert_backend_layout_supported", _silent_assertion),)
+SILENT_ASSERTION = (Patch(_ASSERTION, _silent_assertion),)
+ASSERTION_RAISES_UNRESOLVED = (Patch(_ASSERTION, _raises_unresolved),)
+ASSERTION_REFUSES_ALL = (Patch(_ASSERTION, _refuses_all),)
+ADOPTS_ANY_LAYOUT = (Patch(f"{_LAYOUT}:adopt_kv_cache_layout", _adopts_any),)
 
 
 # --- KV-S: strides ----------------------------------------------------------------------

@@ -357,14 +357,17 @@ def _first_field_difference(run: Run, layout: str | None, rank: int, sent: Any,
 # --- KV-A4 --------------------------------------------------------------------------
 
 
-def check_kv_a4(source: Source, case: Case, workers: Workers) -> None:
-    """KV-A4: production's worker refuses what it must: an unadopted layout (init_kv_cache
-    raises), a disagreeing one (adoption raises), one contradicting its layers' backend."""
+# Three independent negative controls, each its own result: a known failure of one
+# (the contradiction, on vllm-omni 0.30) must not hide a regression of another.
+
+
+def check_kv_a4_unadopted(source: Source, case: Case, workers: Workers) -> None:
+    """KV-A4: a worker that skips adoption makes ``init_kv_cache`` raise the
+    unresolved-layout error (no allocation under a layout nobody resolved)."""
     run = _run("KV-A4", source, case)
     handles = _ranks(run, workers)
-    topology = _topology(case)
     unresolved = compat.unresolved_layout_error_text()
-    with deploy(run, handles, topology=topology, control="skip_adoption") as deployed:
+    with deploy(run, handles, topology=_topology(case), control="skip_adoption") as deployed:
         report = deployed.report
     error = _refusal(run, report)
     if error is None:
@@ -377,10 +380,19 @@ def check_kv_a4(source: Source, case: Case, workers: Workers) -> None:
         raise run.fail("skipping adoption raised another error than the unresolved-layout "
                        "error", layout=report.pinned, expected=unresolved,
                        actual=_production_error(error))
-    stamped = _stamped(report)
-    other = next(name for name in compat.LAYOUT_NAMES if name != stamped)
-    with deploy(run, handles, topology=topology, prepin=other) as deployed:
-        report = deployed.report
+
+
+def check_kv_a4_disagreement(source: Source, case: Case, workers: Workers) -> None:
+    """KV-A4: a worker already pinned to another layout than the control plane's raises
+    the disagreement error, naming both, instead of adopting."""
+    run = _run("KV-A4", source, case)
+    handles = _ranks(run, workers)
+    for other in compat.LAYOUT_NAMES[:2]:  # the second only if the first was the one stamped
+        with deploy(run, handles, topology=_topology(case), prepin=other) as deployed:
+            report = deployed.report
+        stamped = _stamped(report)
+        if stamped != other:
+            break
     error = _refusal(run, report)
     if error is None:
         raise run.fail(f"a worker already pinned to {other} adopted {stamped} without the "
@@ -392,7 +404,14 @@ def check_kv_a4(source: Source, case: Case, workers: Workers) -> None:
         raise run.fail("the disagreement error does not name both layouts",
                        layout=report.pinned, expected=f"ValueError naming {other} and {stamped}",
                        actual=_production_error(error))
-    with deploy(run, handles, topology=topology, need=not run.need) as deployed:
+
+
+def check_kv_a4_contradiction(source: Source, case: Case, workers: Workers) -> None:
+    """KV-A4: a worker handed a layout that contradicts its layers' attention backend
+    refuses to allocate it."""
+    run = _run("KV-A4", source, case)
+    handles = _ranks(run, workers)
+    with deploy(run, handles, topology=_topology(case), need=not run.need) as deployed:
         report = deployed.report
     if _refusal(run, report) is None:
         native = sorted({n for seen in report.ranks

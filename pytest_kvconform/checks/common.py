@@ -45,11 +45,11 @@ class Where:
         return dataclasses.replace(self, **changes)
 
     def fail(self, detail: str, *, layout: str | None = None, expected: object = None,
-             actual: object = None) -> ClauseFailure:
+             actual: object = None, problems: tuple[str, ...] | None = None) -> ClauseFailure:
         return ClauseFailure(self.clause, detail, backend=self.backend,
                              case=None if self.case is None else self.case.id,
                              layout=layout if layout is not None else self.layout,
-                             expected=expected, actual=actual)
+                             expected=expected, actual=actual, problems=problems)
 
     def fail_at(self, source: str, detail: str, *, expected: object = None,
                 actual: object = None) -> ClauseFailure:
@@ -110,8 +110,9 @@ class Problems:
         if not self.found:
             return
         first = self.found[0]
-        raise self.where.fail("; ".join(p.detail for p in self.found), layout=first.layout,
-                              expected=first.expected, actual=first.actual)
+        details = tuple(p.detail for p in self.found)
+        raise self.where.fail("; ".join(details), layout=first.layout,
+                              expected=first.expected, actual=first.actual, problems=details)
 
 
 @contextlib.contextmanager

@@ -243,13 +243,17 @@ def check_kv_l4(backend: BackendUnderTest) -> None:
     problems.raise_any()
 
 
-def check_kv_l5(backend: BackendUnderTest) -> None:
-    """KV-L5: the backend-layout assertion: silent unresolved, passes consistent, raises else."""
+def _l5(backend: BackendUnderTest) -> tuple[Where, Any, bool]:
     clause = "KV-L5"
-    where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
-    cls = backend_class(clause, backend)
-    need = declared_need(clause, backend)
+    return (Where(clause, backend=backend.name), backend_class(clause, backend),
+            declared_need(clause, backend))
+
+
+def check_kv_l5_unresolved(backend: BackendUnderTest) -> None:
+    """KV-L5: the backend-layout assertion is silent while the layout is unresolved (a
+    worker not yet told the layout must not crash) and pins nothing."""
+    where, cls, _ = _l5(backend)
     unresolved = _config(None)
     try:
         compat.assert_backend_layout_supported(unresolved, cls)
@@ -263,6 +267,11 @@ def check_kv_l5(backend: BackendUnderTest) -> None:
                          "unresolved config; the worker would then disagree with the control "
                          "plane", expected=None,
                          actual=unresolved.cache_config.kv_cache_layout)
+
+
+def check_kv_l5_consistent(backend: BackendUnderTest) -> None:
+    """KV-L5: the backend-layout assertion passes every layout consistent with the need."""
+    where, cls, need = _l5(backend)
     for name in layouts_for(need, consistent=True):
         try:
             compat.assert_backend_layout_supported(_config(name), cls)
@@ -271,6 +280,11 @@ def check_kv_l5(backend: BackendUnderTest) -> None:
                              f", which is consistent with indexes_kv_by_block_stride()={need}",
                              layout=name, expected="silence",
                              actual=repr(exc)) from exc
+
+
+def check_kv_l5_contradiction(backend: BackendUnderTest) -> None:
+    """KV-L5: the backend-layout assertion raises for every layout contradicting the need."""
+    where, cls, need = _l5(backend)
     for name in layouts_for(need, consistent=False):
         try:
             compat.assert_backend_layout_supported(_config(name), cls)
@@ -367,17 +381,16 @@ def check_kv_l7(backend: BackendUnderTest, device: str = "cpu") -> str:
     return paged.check_kv_l7(backend, device)
 
 
-def check_kv_l8_canonical(backend: BackendUnderTest) -> None:
-    """KV-L8: each canonical layout name a user pins is honoured or refused clearly."""
+def _l8_canonical(backend: BackendUnderTest, *, consistent: bool) -> None:
     clause = "KV-L8"
     where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     need = declared_need(clause, backend)
     problems = Problems(where)
-    for name in compat.LAYOUT_NAMES:
+    for name in layouts_for(need, consistent=consistent):
         vllm_config = _config(name)
         call = partial(_resolve, vllm_config, need)
-        if oracle.is_block_outermost(name) == need:
+        if consistent:
             what = f"user-pinned CacheConfig.kv_cache_layout={name!r} must be honoured"
             problem = _kept_problem(call, vllm_config, name, (name,))
         else:
@@ -387,6 +400,16 @@ def check_kv_l8_canonical(backend: BackendUnderTest) -> None:
         if problem is not None:
             _add(problems, what, problem, name, "it")
     problems.raise_any()
+
+
+def check_kv_l8_canonical_honoured(backend: BackendUnderTest) -> None:
+    """KV-L8: each canonical layout name a user pins that is consistent is honoured."""
+    _l8_canonical(backend, consistent=True)
+
+
+def check_kv_l8_canonical_refused(backend: BackendUnderTest) -> None:
+    """KV-L8: each canonical layout name a user pins that contradicts is refused clearly."""
+    _l8_canonical(backend, consistent=False)
 
 
 def check_kv_l8_alias(backend: BackendUnderTest) -> None:
@@ -415,6 +438,32 @@ def check_kv_l8_alias(backend: BackendUnderTest) -> None:
         if problem is not None:
             _add(problems, what, problem, alias, "it")
     problems.raise_any()
+
+
+def check_kv_l8_worker_disagreement(backend: BackendUnderTest) -> None:
+    """KV-L8: a worker pinned to another layout than the control plane's refuses it.
+
+    The neighbour of the worker-alias control: a worker pinned to an alias of the
+    control plane's layout must agree, so one pinned to a genuinely different layout
+    (consistent with the backend too, so nothing but the disagreement can refuse it)
+    must still raise, naming both; else accepting the alias proves nothing.
+    """
+    clause = "KV-L8"
+    where = Where(clause, backend=backend.name)
+    compat.require_omni(clause)
+    need = declared_need(clause, backend)
+    consistent = layouts_for(need, consistent=True)
+    sent_name, pinned = consistent[0], consistent[-1]
+    worker = _config(pinned)
+    sent = compat.kv_cache_config_with_layout(sent_name)
+    what = (f"a worker whose CacheConfig.kv_cache_layout={pinned!r} must refuse the control "
+            f"plane's {sent_name!r} (another layout, not an alias of it)")
+    problem = _refusal_problem(partial(compat.adopt_layout, worker, sent), worker,
+                               (pinned, sent_name))
+    if problem is not None:
+        detail, expected, actual = problem
+        raise where.fail(f"{what}, but adoption {detail}", layout=pinned, expected=expected,
+                         actual=actual)
 
 
 def check_kv_l8_worker_alias(backend: BackendUnderTest) -> None:
@@ -489,8 +538,7 @@ def _env_problem(need: bool, value: str, consistent: bool, device: str) -> Probl
             f"(returned {_name(got)})", expected, _name(got))
 
 
-def check_kv_l8_env(backend: BackendUnderTest, device: str = "cpu") -> None:
-    """KV-L8: ``VLLM_KV_CACHE_LAYOUT`` is honoured when consistent, refused when not."""
+def _l8_env(backend: BackendUnderTest, device: str, *, consistent: bool) -> None:
     clause = "KV-L8"
     where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
@@ -498,15 +546,24 @@ def check_kv_l8_env(backend: BackendUnderTest, device: str = "cpu") -> None:
     var = compat.LAYOUT_ENV_VAR
     before = os.environ.get(var)
     problems = Problems(where)
-    consistent_value, contradicting_value = _ENV_PICKS[need]
-    for value, consistent in ((consistent_value, True), (contradicting_value, False)):
-        relation = "consistent with" if consistent else "contradicts"
-        what = (f"{var}={value} ({relation} indexes_kv_by_block_stride()={need}) must be "
-                + ("honoured" if consistent else "refused with a ValueError"))
-        problem = _env_problem(need, value, consistent, device)
-        if problem is not None:
-            _add(problems, what, problem, value, "it")
+    value = _ENV_PICKS[need][0 if consistent else 1]
+    relation = "consistent with" if consistent else "contradicts"
+    what = (f"{var}={value} ({relation} indexes_kv_by_block_stride()={need}) must be "
+            + ("honoured" if consistent else "refused with a ValueError"))
+    problem = _env_problem(need, value, consistent, device)
+    if problem is not None:
+        _add(problems, what, problem, value, "it")
     if os.environ.get(var) != before:
         problems.add(f"{var} leaked out of the check, but it was not restored", layout="",
                      expected=before, actual=os.environ.get(var))
     problems.raise_any()
+
+
+def check_kv_l8_env_honoured(backend: BackendUnderTest, device: str = "cpu") -> None:
+    """KV-L8: ``VLLM_KV_CACHE_LAYOUT`` consistent with the backend is honoured."""
+    _l8_env(backend, device, consistent=True)
+
+
+def check_kv_l8_env_refused(backend: BackendUnderTest, device: str = "cpu") -> None:
+    """KV-L8: ``VLLM_KV_CACHE_LAYOUT`` contradicting the backend is refused."""
+    _l8_env(backend, device, consistent=False)

@@ -123,15 +123,21 @@ class Check:
     """One check function of a clause, and the suite test that runs it.
 
     ``variant`` is the suffix of the suite test's name (``"alias"`` for
-    ``test_kv_l8_alias``; ``""`` for the plain ``test_kv_l8``).  ``seam`` marks
-    the variants that run once per need (False, True) through the control
-    plane's explicit seam instead of for a discovered backend.
+    ``test_kv_l8_alias``; ``""`` for the plain ``test_kv_l8``): one check per
+    independent control, so a known failure of one never hides another.  ``seam``
+    marks the variants that run once per need (False, True) through the control
+    plane's explicit seam instead of for a discovered backend.  ``controls`` names
+    the neighbouring controls (suite test functions) whose behaviour must hold for a
+    pass of this check to count as a fix of a known finding: a check about something
+    refused that should be accepted has a neighbour that must still be refused, and
+    the other way round (see ``report/verdict.py``).
     """
 
     function: str  # "module:function"
     args: tuple[Arg, ...]
     variant: str = ""
     seam: bool = False
+    controls: tuple[str, ...] = ()
 
     def resolve(self) -> Callable[..., None]:
         """The check function itself (imports its module now, not before)."""
@@ -179,8 +185,9 @@ class Clause:
         return f"{base}_{suffix}" if suffix else base
 
 
-def _c(module: str, name: str, *args: Arg, variant: str = "", seam: bool = False) -> Check:
-    return Check(f"pytest_kvconform.checks.{module}:{name}", args, variant, seam)
+def _c(module: str, name: str, *args: Arg, variant: str = "", seam: bool = False,
+       controls: tuple[str, ...] = ()) -> Check:
+    return Check(f"pytest_kvconform.checks.{module}:{name}", args, variant, seam, controls)
 
 
 def _l(n: int, title: str, *checks: Check, forgiven: frozenset[SkipKind] = ALWAYS_FORGIVEN
@@ -198,12 +205,21 @@ def _n(n: int, title: str, cases: Callable[[Case], bool], *args: Arg) -> Clause:
 
 
 def _a(n: int, title: str, cases: Callable[[Case], bool], *args: Arg,
-       forgiven: frozenset[SkipKind] = HARDWARE_FORGIVEN) -> Clause:
-    """An adoption clause: for the backend's declared need, and once per need (seam)."""
-    name, module = f"check_kv_a{n}", "adoption_bytes" if n in (3, 5, 6) else "adoption"
-    checks = (_c(module, name, "backend", *args),
-              _c(module, name, "need", *args, seam=True))
-    return Clause(f"KV-A{n}", title, "backend x case", checks, forgiven, cases)
+       forgiven: frozenset[SkipKind] = HARDWARE_FORGIVEN,
+       variants: Mapping[str, tuple[str, ...]] | None = None) -> Clause:
+    """An adoption clause: for the backend's declared need, and once per need (seam).
+
+    ``variants`` maps each independent control to its neighbouring controls' test
+    names (a seam check's neighbours are the seam ones).
+    """
+    module = "adoption_bytes" if n in (3, 5, 6) else "adoption"
+    checks: list[Check] = []
+    for variant, controls in (variants or {"": ()}).items():
+        name = f"check_kv_a{n}" + (f"_{variant}" if variant else "")
+        checks += [_c(module, name, "backend", *args, variant=variant, controls=controls),
+                   _c(module, name, "need", *args, variant=variant, seam=True,
+                      controls=tuple(f"{c}_seam" for c in controls))]
+    return Clause(f"KV-A{n}", title, "backend x case", tuple(checks), forgiven, cases)
 
 
 _A6_ARGS: tuple[Arg, ...] = ("case", "workers_device", "workers_factory", "memory_fraction")
@@ -213,16 +229,30 @@ CLAUSES: tuple[Clause, ...] = (
     _l(2, "Resolution", _c("layout", "check_kv_l2", "backend")),
     _l(3, "Precedence", _c("layout", "check_kv_l3", "backend")),
     _l(4, "Contradiction", _c("layout", "check_kv_l4", "backend")),
-    _l(5, "Enforcement", _c("layout", "check_kv_l5", "backend")),
+    _l(5, "Enforcement",
+       _c("layout", "check_kv_l5_unresolved", "backend", variant="unresolved"),
+       _c("layout", "check_kv_l5_consistent", "backend", variant="consistent"),
+       _c("layout", "check_kv_l5_contradiction", "backend", variant="contradiction")),
     _l(6, "Production wiring", _c("layout", "check_kv_l6", "backend", "worker"),
-       _c("layout", "check_kv_l6", "need_backend", "worker", seam=True)),
+       # need_True's finding (LBNHC pinned regardless) is fixed only while need_False's
+       # LBNHC still comes out: the seam test's other need is its neighbour.
+       _c("layout", "check_kv_l6", "need_backend", "worker", seam=True,
+          controls=("test_kv_l6_seam",))),
     _l(7, "Paged read path", _c("layout", "check_kv_l7", "backend", "device"),
        forgiven=HARDWARE_FORGIVEN),
     _l(8, "User-selected layouts",
-       _c("layout", "check_kv_l8_canonical", "backend", variant="canonical"),
-       _c("layout", "check_kv_l8_alias", "backend", variant="alias"),
-       _c("layout", "check_kv_l8_worker_alias", "backend", variant="worker_alias"),
-       _c("layout", "check_kv_l8_env", "backend", "device", variant="env")),
+       _c("layout", "check_kv_l8_canonical_honoured", "backend", variant="canonical_honoured"),
+       _c("layout", "check_kv_l8_canonical_refused", "backend", variant="canonical_refused"),
+       _c("layout", "check_kv_l8_alias", "backend", variant="alias",
+          controls=("test_kv_l8_canonical_refused",)),
+       _c("layout", "check_kv_l8_worker_disagreement", "backend",
+          variant="worker_disagreement"),
+       _c("layout", "check_kv_l8_worker_alias", "backend", variant="worker_alias",
+          controls=("test_kv_l8_worker_disagreement",)),
+       _c("layout", "check_kv_l8_env_honoured", "backend", "device", variant="env_honoured",
+          controls=("test_kv_l8_env_refused",)),
+       _c("layout", "check_kv_l8_env_refused", "backend", "device", variant="env_refused",
+          controls=("test_kv_l8_env_honoured",))),
     _s(1, "Production tensor", plain, _c("strides", "check_kv_s1", "layout", "case")),
     _s(2, "View addresses", dense, _c("strides", "check_kv_s2", "layout", "case", "device"),
        _c("strides", "check_kv_s2_allocate", "layout", "case", "device", variant="allocate")),
@@ -239,7 +269,10 @@ CLAUSES: tuple[Clause, ...] = (
     _a(1, "Pinned before sizing, stamped on every config", adoption_case, "case", "workers"),
     _a(2, "A real process boundary", adoption_case, "case", "workers"),
     _a(3, "Worker adoption and allocation at oracle offsets", adoption_case, "case", "workers"),
-    _a(4, "Negative controls", adoption_case, "case", "workers"),
+    _a(4, "Negative controls", adoption_case, "case", "workers",
+       # The contradiction is refused only by a fix that still allocates a consistent
+       # layout (KV-A3) for the same backend and case.
+       variants={"unadopted": (), "disagreement": (), "contradiction": ("test_kv_a3",)}),
     _a(5, "Several ranks, one process each", adoption_multi_rank, "case", "workers"),
     _a(6, "Real allocation at scale", adoption_single_rank, *_A6_ARGS),
 )
@@ -336,6 +369,7 @@ def as_rows() -> list[dict[str, Any]]:
     return [{"clause": c.id, "family": c.family, "title": c.title, "applies_to": c.applies_to,
              "forgiven": sorted(k.value for k in c.forgiven),
              "tests": [c.test_name(k) for k in c.checks],
+             "controls": {c.test_name(k): list(k.controls) for k in c.checks if k.controls},
              "checks": [k.function for k in c.checks]} for c in CLAUSES]
 
 
@@ -347,10 +381,15 @@ CLAUSE_LIST_END = "<!-- /clause-table -->"
 def markdown_table() -> str:
     """The README's clause list, between its markers (a test compares the two)."""
     lines = [CLAUSE_LIST_BEGIN, "",
-             "| clause | title | applies to | a skip is forgiven for | suite tests |",
-             "|---|---|---|---|---|"]
+             "| clause | title | applies to | a skip is forgiven for | suite tests (one per "
+             "control) | a pass is a fix only while |",
+             "|---|---|---|---|---|---|"]
     for row in as_rows():
         tests = ", ".join(f"`{t}`" for t in row["tests"])
+        controls = "; ".join(
+            f"`{t}`: " + ", ".join(f"`{c}`" + (" (its other needs)" if c == t else "")
+                                   for c in cs) + " holds"
+            for t, cs in row["controls"].items())
         lines.append(f"| {row['clause']} | {row['title']} | {row['applies_to']} | "
-                     f"{', '.join(row['forgiven'])} | {tests} |")
+                     f"{', '.join(row['forgiven'])} | {tests} | {controls} |")
     return "\n".join([*lines, "", CLAUSE_LIST_END])

@@ -50,7 +50,10 @@ class ClauseFailure(AssertionError):
     """A contract clause does not hold.
 
     The message names the clause, the backend or case, and the first
-    difference (expected vs actual), so a reader needs no debugger.
+    difference (expected vs actual), so a reader needs no debugger.  ``problems``
+    holds each thing that went wrong on its own (one, unless a check reports several
+    sub-scenarios at once), so a known finding can be matched against every one of
+    them, not against their sum.
     """
 
     def __init__(
@@ -63,9 +66,11 @@ class ClauseFailure(AssertionError):
         layout: str | None = None,
         expected: object = None,
         actual: object = None,
+        problems: tuple[str, ...] | None = None,
     ) -> None:
         self.clause = clause
         self.detail = detail
+        self.problems = problems if problems else (detail,)
         self.backend = backend
         self.case = case
         self.layout = layout

@@ -19,6 +19,7 @@ from pytest_kvconform.report.verdict import (
     describe_uncovered,
     interruption_of,
     left_out,
+    result_notes,
 )
 
 UPSTREAM_ROW = "(upstream)"
@@ -258,6 +259,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if report["summary"]["blocking"]:
         lines += ["", "Blocking results:", ""]
         lines += [f"- `{nodeid}`" for nodeid in report["summary"]["blocking"]]
+    by_control = result_notes(report["results"])
+    if by_control:
+        lines += ["", "By control (one suite test each):", ""]
+        lines += [f"- {md_escape(note)}" for note in by_control]
     lines += ["", "## Environment", ""]
     env_rows: list[tuple[str, Any]] = [
         (key, env[key] if env[key] is not None else "not installed")

@@ -157,6 +157,96 @@ def describe_uncovered(entry: Mapping[str, Any]) -> str:
     return f"{where} ({counted}; {how}: {entry['reason']})"
 
 
+# --- what failed, by control ---------------------------------------------------------
+
+_SHOWN_PARAMS = 3  # parametrisations named per test before "+N more"
+_SHOWN_TESTS = 6  # tests named per kind of note before "and N more tests"
+
+
+def test_function(nodeid: str) -> str:
+    """``.../test_layout.py::test_kv_l8_alias[TORCH_SDPA]`` -> ``test_kv_l8_alias``."""
+    return nodeid.rpartition("::")[2].partition("[")[0]
+
+
+def _params(nodeid: str) -> str:
+    return nodeid.rpartition("::")[2].partition("[")[2].removesuffix("]")
+
+
+def not_a_fix(results: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Each xpass (a known finding's test that passed) whose neighbouring control failed,
+    with those controls' nodeids: a pass is a fix only while its controls hold.
+
+    The controls come from the clause table (``Check.controls``); a control's result
+    counts for the same backend (or need), case and layout, and a test that is its own
+    control counts its other parametrisations (KV-L6's other need).
+    """
+    names = clauses.check_names()
+    by_test: dict[str, list[Mapping[str, Any]]] = {}
+    for r in results:
+        by_test.setdefault(test_function(str(r["nodeid"])), []).append(r)
+    found: dict[str, list[str]] = {}
+    for r in results:
+        if r.get("status") != "xpassed":
+            continue
+        test = test_function(str(r["nodeid"]))
+        check = names.get(test)
+        for control in check[1].controls if check is not None else ():
+            for other in by_test.get(control, []):
+                if (other["nodeid"] == r["nodeid"] or other.get("status") not in
+                        ("failed", "error") or other.get("case") != r.get("case")
+                        or other.get("layout") != r.get("layout")
+                        or (control != test and other.get("backend") != r.get("backend"))):
+                    continue
+                found.setdefault(str(r["nodeid"]), []).append(str(other["nodeid"]))
+    return found
+
+
+def _named(results: Sequence[Mapping[str, Any]], *, why: Mapping[str, str] | None = None) -> str:
+    """``KV-L8 test_kv_l8_alias[TORCH_SDPA, FLASH_ATTN, +8 more]``, one per test."""
+    tests: dict[str, list[Mapping[str, Any]]] = {}
+    for r in results:
+        tests.setdefault(test_function(str(r["nodeid"])), []).append(r)
+    parts = []
+    for test, rows in list(tests.items())[:_SHOWN_TESTS]:
+        params = [_params(str(r["nodeid"])) for r in rows]
+        shown = ", ".join(p for p in params[:_SHOWN_PARAMS] if p)
+        if len(params) > _SHOWN_PARAMS:
+            shown += f", +{len(params) - _SHOWN_PARAMS} more"
+        text = f"{rows[0].get('clause')} {test}" + (f"[{shown}]" if shown else "")
+        if why is not None and why.get(str(rows[0]["nodeid"])):
+            text += f" ({why[str(rows[0]['nodeid'])]})"
+        parts.append(text)
+    if len(tests) > _SHOWN_TESTS:
+        parts.append(f"and {len(tests) - _SHOWN_TESTS} more tests")
+    return ", ".join(parts)
+
+
+def result_notes(results: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The results that speak against qualification, by control (suite test): failures
+    (a known finding's test failing another way named so), xpasses that are no fix
+    because a neighbouring control failed, and xpasses (a known finding now passes)."""
+    notes = []
+    differs = [r for r in results if r.get("status") == "failed" and r.get("xfail")]
+    for entry in sorted({str(r["xfail"]) for r in differs}):
+        notes.append(f"differs from known finding {entry}: "
+                     + _named([r for r in differs if r["xfail"] == entry]))
+    failed = [r for r in results if r.get("status") == "failed" and not r.get("xfail")
+              and not r.get("seeded_fault")]
+    if failed:
+        notes.append("failed: " + _named(failed))
+    broken = not_a_fix(results)
+    if broken:
+        why = {n: "its control " + ", ".join(f"{test_function(c)}[{_params(c)}]" for c in cs)
+               + " failed" for n, cs in broken.items()}
+        notes.append("passes, but no fix of its known finding: " +
+                     _named([r for r in results if r["nodeid"] in broken], why=why))
+    fixed = [r for r in results if r.get("status") == "xpassed" and r["nodeid"] not in broken]
+    if fixed:
+        notes.append("xpassed (a known finding no longer fails: remove its entry): "
+                     + _named(fixed))
+    return notes
+
+
 # The keys of one ``startup_failures`` entry, in the order they are written.
 STARTUP_FAILURE_KEYS = ("plugin", "group", "distribution", "error")
 
@@ -304,6 +394,7 @@ def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
     if startup:
         notes.append("production would not start: " +
                      "; ".join(describe_startup_failure(f) for f in startup))
+    notes += result_notes(results)
     missing = left_out(selection)
     if missing and verdict != "qualified":
         notes.append("left out: " + "; ".join(missing))

@@ -2,7 +2,8 @@
 
 Registered as a plugin by :class:`~pytest_kvconform.session.run.KvSession`.  Each suite
 test's reports become typed :class:`~pytest_kvconform.contract.records.ResultRow` rows (a
-harness fault classified on the way, so no xfail entry absorbs it uninvited; a test
+harness fault classified on the way, so no xfail entry absorbs it uninvited; a failure
+no known finding describes stays a failure, naming the entry it differs from; a test
 whose xdist worker died becomes a ``worker-died`` error; a test that drove its KV-A
 workers under a seeded fault says so); at the end of the run they are judged against
 the selection and, as mappings, handed to ``report/build.py`` for the terminal matrix, the
@@ -13,6 +14,7 @@ while plugins and vllm-omni load) is judged there and then: pytest calls no
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import uuid
@@ -24,7 +26,12 @@ import pytest
 from pytest_kvconform.adapters import run_env
 from pytest_kvconform.contract.clauses import clause_from_test_name
 from pytest_kvconform.contract.outcome_rule import ERROR_KIND_PROPERTY, harness_kind
-from pytest_kvconform.contract.outcomes import ClauseFailure, ErrorKind, bracketed
+from pytest_kvconform.contract.outcomes import (
+    ClauseFailure,
+    ErrorKind,
+    bracketed,
+    describe_error,
+)
 from pytest_kvconform.contract.records import (
     SEEDED_FAULT_PROPERTY,
     SKIP_KIND_PROPERTY,
@@ -36,6 +43,8 @@ from pytest_kvconform.session.selection import XFAIL_PROPERTY, KvSelection
 
 # How pytest prefixes a ClauseFailure's message in a crash line.
 _FAILURE_PREFIX = f"{ClauseFailure.__module__}.{ClauseFailure.__qualname__}: "
+# How pytest words a strict xfail's pass (its longrepr).
+XPASS_STRICT = "[XPASS(strict)] "
 
 
 class KvResults:
@@ -88,11 +97,15 @@ class KvResults:
     def pytest_runtest_makereport(self, item: pytest.Item,
                                   call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
         """A harness fault carries its kind, and no xfail entry absorbs it uninvited; a
-        test that drove its KV-A workers under a seeded fault names it."""
+        known finding absorbs only the failure (or declares only the skip) it describes;
+        a test that drove its KV-A workers under a seeded fault names it."""
         report = yield
         if not any(k == "kv_clause" for k, _ in item.user_properties):
             return report
         self._mark_seeded_fault(item, report)
+        if report.skipped and getattr(report, "wasxfail", None) is None:
+            self._known_skip(item, report)
+            return report
         if call.excinfo is None:
             return report
         if call.when == "call":
@@ -113,11 +126,44 @@ class KvResults:
             else:
                 kind = None  # a skip raised by a fixture is a skip
         if kind is not None and getattr(report, "wasxfail", None) is not None:
-            entry = self.selection.xfail_entry(dict(report.user_properties).get(XFAIL_PROPERTY))
-            if entry is None or not entry.absorbs_error(kind):
+            entries = self.selection.item_entries.get(item.nodeid, [])
+            found = next((e for e in entries if e.absorbs_error(kind)), None)
+            if found is None:
                 report.outcome = "failed"
                 del report.wasxfail
+            else:
+                _declared_by(report, found)
+        elif getattr(report, "wasxfail", None) is not None and call.excinfo is not None:
+            self._known_failure(item, report, _problems(call.excinfo.value))
         return report
+
+    # A known finding absorbs only the outcome it describes: the one place that decides.
+
+    def _known_failure(self, item: pytest.Item, report: pytest.TestReport,
+                       problems: tuple[str, ...]) -> None:
+        """An xfail stands only when an entry naming the test describes this failure;
+        else the test fails, naming the entry it differs from."""
+        entries = self.selection.item_entries.get(item.nodeid, [])
+        found = next((e for e in entries if e.describes_failure(problems)), None)
+        if found is not None:
+            _declared_by(report, found)
+            return
+        report.outcome = "failed"
+        del report.wasxfail
+        _differs(report, entries[0] if entries else None)
+
+    def _known_skip(self, item: pytest.Item, report: pytest.TestReport) -> None:
+        """A skip is declared only by an entry that describes it (its kind and reason):
+        any other stays a plain skip, which strict mode judges by the clause table."""
+        entries = self.selection.item_entries.get(item.nodeid, [])
+        props = dict(report.user_properties)
+        kind = props.get(SKIP_KIND_PROPERTY)
+        found = next((e for e in entries if e.describes_skip(kind, _skip_reason(report))), None)
+        if found is not None:
+            _declared_by(report, found)
+        else:
+            report.user_properties = [(k, v) for k, v in report.user_properties
+                                      if k != XFAIL_PROPERTY]
 
     def _mark_seeded_fault(self, item: pytest.Item, report: pytest.TestReport) -> None:
         """Commands went to the KV-A workers under a seeded fault during this test: its
@@ -340,6 +386,46 @@ def properties_from_id(nodeid: str, *, backends: Iterable[str], layouts: Iterabl
     return [("kv_clause", clause), *found.items(), ("kv_device", device)]
 
 
+def _problems(exc: BaseException) -> tuple[str, ...]:
+    """What a failure reports, one problem each: a clause failure's, or the escaped
+    exception's ``Type: message``."""
+    if isinstance(exc, ClauseFailure):
+        return tuple(exc.problems)
+    return (describe_error(exc),)
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    if isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    return str(report.longrepr or "")
+
+
+def _declared_by(report: pytest.TestReport, entry: Any) -> None:
+    """The report names the entry that describes its outcome (not only the first)."""
+    from pytest_kvconform.session.xfails import xfail_reason
+
+    report.user_properties = [(k, v) for k, v in report.user_properties if k != XFAIL_PROPERTY]
+    report.user_properties.append((XFAIL_PROPERTY, entry.describe()))
+    if getattr(report, "wasxfail", None) is not None:
+        report.wasxfail = xfail_reason(entry)
+
+
+def _differs(report: pytest.TestReport, entry: Any) -> None:
+    """Name, on a failed report, the known finding its failure is not: in the crash line
+    (the short summary, the report's reason) and in a section of its own."""
+    if entry is None:
+        return
+    note = (f"differs from known finding {entry.describe()} (it expects "
+            f"{entry.expectation()})")
+    report.sections.append(("kvconform: known finding", f"{note}: {entry.reason}"))
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        report.longrepr.reprcrash = dataclasses.replace(  # type: ignore[union-attr]
+            crash, message=f"{note}: {crash.message.removeprefix(_FAILURE_PREFIX)}")
+    else:
+        report.longrepr = f"{note}: {report.longrepr}"
+
+
 def result_row(report: pytest.TestReport) -> ResultRow | None:
     """One result row, from the report of a suite test's phase; None for other tests
     and for phases that add nothing (a passing setup or teardown)."""
@@ -351,6 +437,8 @@ def result_row(report: pytest.TestReport) -> ResultRow | None:
     if report.when == "call":
         if wasxfail is not None:
             status = "xfailed" if report.skipped else "xpassed"
+        elif report.failed and str(report.longrepr).startswith(XPASS_STRICT):
+            status = "xpassed"  # strict: pytest fails it; the report keeps what it is
         elif report.failed and error_kind is not None:
             status = "error"  # the harness failed here, not the backend
         else:
@@ -364,6 +452,8 @@ def result_row(report: pytest.TestReport) -> ResultRow | None:
     reason = ""
     if status == "skipped" and isinstance(report.longrepr, tuple):
         reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+    elif status == "xpassed" and wasxfail is None:
+        reason = str(report.longrepr)
     elif status in ("failed", "error"):
         crash = getattr(report.longrepr, "reprcrash", None)
         reason = crash.message if crash is not None else str(report.longrepr)

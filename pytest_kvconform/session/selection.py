@@ -67,6 +67,9 @@ class KvSelection:
         self.counts = Counts()
         # describe() ids of xfail entries that named a collected test (any process).
         self.xfail_matched: set[str] = set()
+        # Every entry naming a collected test, in file order (the first one marks it): the
+        # one that describes how it fails or skips absorbs it (KvResults).
+        self.item_entries: dict[str, list[Any]] = {}
         self.discovery_seconds = 0.0
         self.all_backend_names: set[str] = set()
         self.plugins: Any = None  # omni_plugins.PluginLoad, after start()
@@ -253,19 +256,20 @@ class KvSelection:
             item.user_properties.extend(props.items())
             if not self.xfails:
                 continue
-            from pytest_kvconform.session.xfails import first_match
+            from pytest_kvconform.session.xfails import matching, xfail_reason
 
-            entry = first_match(self.xfails, backend=props["kv_backend"],
-                                clause=props["kv_clause"], case=props["kv_case"],
-                                layout=props["kv_layout"], versions=versions,
-                                device_kind=self.device_kind,
-                                test=getattr(item, "originalname", item.name))
-            if entry is not None:
+            entries = matching(self.xfails, backend=props["kv_backend"],
+                               clause=props["kv_clause"], case=props["kv_case"],
+                               layout=props["kv_layout"], versions=versions,
+                               device_kind=self.device_kind,
+                               test=getattr(item, "originalname", item.name))
+            if entries:
+                entry = entries[0]
                 self.xfail_matched.add(entry.describe())
+                self.item_entries[item.nodeid] = entries
                 # Kept on the item too: a declared test that skips still names its entry.
                 item.user_properties.append((XFAIL_PROPERTY, entry.describe()))
-                item.add_marker(pytest.mark.xfail(reason=f"known: {entry.reason} "
-                                                  f"[{entry.describe()}]",
+                item.add_marker(pytest.mark.xfail(reason=xfail_reason(entry),
                                                   strict=self.options.strict))
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
@@ -304,10 +308,6 @@ class KvSelection:
                 workeroutput[DISCOVERY_OUTPUT] = self.worker_discovery()
 
     # -- what the results and the verdict read ----------------------------------
-
-    def xfail_entry(self, described: str | None) -> Any:
-        """The expected-failure entry whose ``describe()`` is ``described``, or None."""
-        return next((e for e in self.xfails if e.describe() == described), None)
 
     def stale_xfails(self) -> list[Any]:
         if not self.xfails:

@@ -5,19 +5,32 @@ declared once, with a reason and the versions it applies to, instead of being
 edited out of the suite; an entry that no longer matches anything is reported
 stale so the list shrinks when upstream fixes land.
 
+An entry describes the failure it expects, and absorbs only that one: the failing
+control (``test``, one suite test function) and how it fails (``match``, a regular
+expression every problem of its clause failure must contain; or ``skip``, the kind
+of skip it declares; or ``errors``, the harness-error kinds it absorbs).  The test
+failing (or skipping) any other way is a failure that "differs from known finding"
+(the session's ``pytest_runtest_makereport``).  An entry without ``test``, or that
+describes no outcome, is refused when the file is loaded, in every mode.
+
 File format (TOML)::
 
     [[xfail]]
     backend = "FLASH_ATTN"      # backend name, or "*" for any (including upstream tests)
-    clause = "KV-L6"
+    clause = "KV-L6"            # or "*" (every clause: a backend that cannot run at all)
+    test = "test_kv_l6"         # the failing control: a suite test function ("*" only
+                                # with clause = "*")
+    match = "never receives"    # regex searched in each problem of the failure; or
+    skip = "backend"            # the skip kind it declares (match then applies to the
+                                # skip's reason); or
+    errors = true               # harness errors it absorbs (any kind), or
+                                # errors = ["oom", "timeout"] (worker-died, timeout, oom, harness)
     case = "two_layers"         # optional: only this spec case
     layout = "BLNHC"            # optional: only this layout
     reason = "vllm-omni 0.30 drops the backend's flag"
     vllm_omni = ">=0.30,<0.31"  # optional PEP 440 specifier; absent package -> not applied
     vllm = ">=0.30"             # optional, same rule
     device = "cuda"             # optional: "cpu" or "cuda"
-    errors = true               # optional: also absorb harness errors (any kind), or
-                                # errors = ["oom", "timeout"] (worker-died, timeout, oom, harness)
 
 Without ``errors`` an entry never absorbs a harness error (a worker that died or
 timed out, an OOM, the plugin's own exception): those stay status ``error``.
@@ -25,8 +38,9 @@ timed out, an OOM, the plugin's own exception): those stay status ``error``.
 
 from __future__ import annotations
 
+import re
 import tomllib
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,17 +48,20 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from pytest_kvconform.contract.clauses import CLAUSE_RE
-from pytest_kvconform.contract.outcomes import ErrorKind
+from pytest_kvconform.contract.clauses import CLAUSE_RE, check_names, clause_from_test_name
+from pytest_kvconform.contract.outcomes import ErrorKind, SkipKind
 
 ANY_BACKEND = "*"
 ANY_CLAUSE = "*"  # every clause of the backend, e.g. one whose kernel package is absent
+ANY_TEST = "*"  # every test of such a backend (only with ANY_CLAUSE)
 DEVICE_KINDS = ("cpu", "cuda")
-_REQUIRED = ("backend", "clause", "reason")
-_OPTIONAL = ("case", "layout", "test", "vllm", "vllm_omni", "device")
+_REQUIRED = ("backend", "clause", "test", "reason")
+_OPTIONAL = ("case", "layout", "match", "skip", "vllm", "vllm_omni", "device")
 _VERSION_KEYS = ("vllm", "vllm_omni")
 ERRORS_KEY = "errors"
 ERROR_KINDS = tuple(kind.value for kind in ErrorKind)
+# A not-applicable skip needs no declaration: strict qualification forgives it everywhere.
+SKIP_KINDS = tuple(kind.value for kind in SkipKind if kind is not SkipKind.NOT_APPLICABLE)
 
 
 class XfailFileError(ValueError):
@@ -73,9 +90,11 @@ class XfailEntry:
     backend: str
     clause: str
     reason: str
+    test: str = ANY_TEST  # the failing control: a suite function, e.g. "test_kv_l8_alias"
     case: str | None = None
     layout: str | None = None
-    test: str | None = None  # the suite function, e.g. "test_kv_l8_alias"
+    match: re.Pattern[str] | None = None  # what each problem of the failure contains
+    skip: str | None = None  # the skip kind the entry declares (then match is the reason's)
     vllm: SpecifierSet | None = None
     vllm_omni: SpecifierSet | None = None
     device: str | None = None
@@ -85,6 +104,28 @@ class XfailEntry:
         """Whether a harness error of ``kind`` may become this entry's xfail (opt-in only)."""
         return kind in self.errors
 
+    def describes_failure(self, problems: Sequence[str]) -> bool:
+        """Whether a failure reporting ``problems`` (a clause failure's, each on its own;
+        an escaped exception's ``Type: message``) is the one this entry expects: every
+        problem contains ``match``.  A failure with one problem more is another failure."""
+        return (self.skip is None and self.match is not None and bool(problems)
+                and all(self.match.search(problem) for problem in problems))
+
+    def describes_skip(self, kind: str | None, reason: str) -> bool:
+        """Whether a skip of ``kind`` with ``reason`` is the one this entry declares."""
+        return (self.skip is not None and kind == self.skip
+                and (self.match is None or self.match.search(reason) is not None))
+
+    def expectation(self) -> str:
+        """What the entry expects, in words: ``a failure matching 'KeyError'``."""
+        pattern = f" matching /{self.match.pattern}/" if self.match is not None else ""
+        if self.skip is not None:
+            return f"a {self.skip} skip{pattern}"
+        described = [f"a failure{pattern}"] if self.match is not None else []
+        if self.errors:
+            described.append(f"a harness error ({', '.join(sorted(self.errors))})")
+        return " or ".join(described)
+
     def describe(self) -> str:
         """Stable id, e.g. ``xfails.toml:2 FLASH_ATTN/KV-L6/two_layers``.
 
@@ -93,7 +134,7 @@ class XfailEntry:
         id the same on every host.
         """
         parts = [self.backend, self.clause]
-        if self.test is not None:
+        if self.test != ANY_TEST:
             parts.append(self.test)
         if self.case is not None:
             parts.append(self.case)
@@ -120,7 +161,7 @@ class XfailEntry:
             return False
         if self.case is not None and self.case != case:
             return False
-        if self.test is not None and self.test != test:
+        if self.test != ANY_TEST and self.test != test:
             return False
         return self.layout is None or self.layout == layout
 
@@ -183,7 +224,9 @@ def _parse_entry(file: str, index: int, table: Any) -> XfailEntry:
             raise fail(f"unknown key (allowed: {allowed})", key)
     for key in _REQUIRED:
         if key not in table:
-            raise fail("missing (required)", key)
+            hint = (": the failing control, one suite test function (e.g. "
+                    f"{_example(str(table.get('clause')))!r})" if key == "test" else "")
+            raise fail(f"missing (required){hint}", key)
     fields: dict[str, Any] = {}
     for key in _REQUIRED + _OPTIONAL:
         if key not in table:
@@ -194,6 +237,15 @@ def _parse_entry(file: str, index: int, table: Any) -> XfailEntry:
         fields[key] = value.strip()
     if fields["clause"] != ANY_CLAUSE and not CLAUSE_RE.match(fields["clause"]):
         raise fail(f"bad clause id {fields['clause']!r} (expected e.g. 'KV-L6')", "clause")
+    _check_test(fields["test"], fields["clause"], fail)
+    if "match" in fields:
+        try:
+            fields["match"] = re.compile(fields["match"])
+        except re.error as exc:
+            raise fail(f"not a regular expression: {exc}", "match") from None
+    if "skip" in fields and fields["skip"] not in SKIP_KINDS:
+        raise fail(f"must be one of {', '.join(SKIP_KINDS)} (a not-applicable skip needs no "
+                   f"declaration), got {fields['skip']!r}", "skip")
     for key in _VERSION_KEYS:
         if key in fields:
             try:
@@ -204,7 +256,34 @@ def _parse_entry(file: str, index: int, table: Any) -> XfailEntry:
         raise fail(f"must be one of {', '.join(DEVICE_KINDS)}, got {fields['device']!r}", "device")
     if ERRORS_KEY in table:
         fields[ERRORS_KEY] = _parse_errors(table[ERRORS_KEY], fail)
+    if "match" not in fields and "skip" not in fields and not fields.get(ERRORS_KEY):
+        raise fail("describes no failure: give 'match' (a regular expression every problem of "
+                   "the expected failure contains), 'skip' (the skip kind it declares) or "
+                   "'errors' (the harness-error kinds it absorbs)")
     return XfailEntry(file=file, index=index, **fields)
+
+
+def _check_test(test: str, clause: str, fail: Any) -> None:
+    """``test`` names one suite test function of ``clause`` (``*`` only for every clause)."""
+    if test == ANY_TEST:
+        if clause != ANY_CLAUSE:
+            raise fail(f"'*' names no control; name the failing suite test of {clause}, e.g. "
+                       f"{_example(clause)!r} ('*' is for clause = '*' only)", "test")
+        return
+    names = check_names()
+    if test not in names:
+        raise fail(f"unknown suite test {test!r}; the tests of "
+                   f"{clause if clause != ANY_CLAUSE else 'the suite'} are "
+                   f"{', '.join(n for n in names if clause in (ANY_CLAUSE, names[n][0].id))}",
+                   "test")
+    if clause != ANY_CLAUSE and clause_from_test_name(test) != clause:
+        raise fail(f"{test!r} is a test of {clause_from_test_name(test)}, not of {clause}",
+                   "test")
+
+
+def _example(clause: str) -> str:
+    names = [n for n, (row, _) in check_names().items() if row.id == clause]
+    return names[0] if names else "test_kv_l2"
 
 
 def _parse_errors(value: Any, fail: Any) -> frozenset[str]:
@@ -221,6 +300,23 @@ def _parse_errors(value: Any, fail: Any) -> frozenset[str]:
     return frozenset(kinds)
 
 
+def matching(
+    entries: Iterable[XfailEntry],
+    *,
+    backend: str | None,
+    clause: str,
+    case: str | None,
+    layout: str | None,
+    versions: Mapping[str, str | None],
+    device_kind: str,
+    test: str | None = None,
+) -> list[XfailEntry]:
+    """Every entry, in file order, that names the test and applies on this host."""
+    return [entry for entry in entries
+            if entry.matches(backend, clause, case, layout, test)
+            and entry.applies_to(versions, device_kind)]
+
+
 def first_match(
     entries: Iterable[XfailEntry],
     *,
@@ -233,12 +329,14 @@ def first_match(
     test: str | None = None,
 ) -> XfailEntry | None:
     """The first entry, in file order, that names the test and applies on this host."""
-    for entry in entries:
-        if entry.matches(backend, clause, case, layout, test) and entry.applies_to(
-            versions, device_kind
-        ):
-            return entry
-    return None
+    found = matching(entries, backend=backend, clause=clause, case=case, layout=layout,
+                     versions=versions, device_kind=device_kind, test=test)
+    return found[0] if found else None
+
+
+def xfail_reason(entry: XfailEntry) -> str:
+    """The xfail reason a test an entry names is marked with (and its report keeps)."""
+    return f"known: {entry.reason} [{entry.describe()}]"
 
 
 def stale_entries(

@@ -71,17 +71,51 @@ def test_kv_a3_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case
 
 
 @world_sizes
-def test_kv_a4(request: pytest.FixtureRequest, kv_backend: BackendUnderTest, kv_case: Case,
-               kv_workers: Any) -> None:
-    """KV-A4 negative controls: no adoption, and a worker pinned elsewhere."""
-    run_check(request, adoption.check_kv_a4, kv_backend, kv_case, _ranks(kv_workers, kv_case))
+def test_kv_a4_unadopted(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
+                         kv_case: Case, kv_workers: Any) -> None:
+    """KV-A4 negative control: a worker that skips adoption cannot allocate."""
+    run_check(request, adoption.check_kv_a4_unadopted, kv_backend, kv_case,
+              _ranks(kv_workers, kv_case))
 
 
 @world_sizes
-def test_kv_a4_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case,
-                    kv_workers: Any) -> None:
-    """KV-A4 through the explicit seam."""
-    run_check(request, adoption.check_kv_a4, kv_need, kv_case, _ranks(kv_workers, kv_case))
+def test_kv_a4_unadopted_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case,
+                              kv_workers: Any) -> None:
+    """KV-A4 unadopted control through the explicit seam."""
+    run_check(request, adoption.check_kv_a4_unadopted, kv_need, kv_case,
+              _ranks(kv_workers, kv_case))
+
+
+@world_sizes
+def test_kv_a4_disagreement(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
+                            kv_case: Case, kv_workers: Any) -> None:
+    """KV-A4 negative control: a worker pinned elsewhere raises the disagreement error."""
+    run_check(request, adoption.check_kv_a4_disagreement, kv_backend, kv_case,
+              _ranks(kv_workers, kv_case))
+
+
+@world_sizes
+def test_kv_a4_disagreement_seam(request: pytest.FixtureRequest, kv_need: bool, kv_case: Case,
+                                 kv_workers: Any) -> None:
+    """KV-A4 disagreement control through the explicit seam."""
+    run_check(request, adoption.check_kv_a4_disagreement, kv_need, kv_case,
+              _ranks(kv_workers, kv_case))
+
+
+@world_sizes
+def test_kv_a4_contradiction(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
+                             kv_case: Case, kv_workers: Any) -> None:
+    """KV-A4 negative control: a layout contradicting the layers' backend is refused."""
+    run_check(request, adoption.check_kv_a4_contradiction, kv_backend, kv_case,
+              _ranks(kv_workers, kv_case))
+
+
+@world_sizes
+def test_kv_a4_contradiction_seam(request: pytest.FixtureRequest, kv_need: bool,
+                                  kv_case: Case, kv_workers: Any) -> None:
+    """KV-A4 contradiction control through the explicit seam."""
+    run_check(request, adoption.check_kv_a4_contradiction, kv_need, kv_case,
+              _ranks(kv_workers, kv_case))
 
 
 @multi_rank

@@ -34,9 +34,20 @@ def test_kv_l4(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> 
     run_check(request, layout.check_kv_l4, kv_backend)
 
 
-def test_kv_l5(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
-    """KV-L5 enforcement by assert_backend_layout_supported."""
-    run_check(request, layout.check_kv_l5, kv_backend)
+def test_kv_l5_unresolved(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
+    """KV-L5 assert_backend_layout_supported is silent while the layout is unresolved."""
+    run_check(request, layout.check_kv_l5_unresolved, kv_backend)
+
+
+def test_kv_l5_consistent(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
+    """KV-L5 assert_backend_layout_supported passes every consistent layout."""
+    run_check(request, layout.check_kv_l5_consistent, kv_backend)
+
+
+def test_kv_l5_contradiction(request: pytest.FixtureRequest,
+                             kv_backend: BackendUnderTest) -> None:
+    """KV-L5 assert_backend_layout_supported raises for every contradicting layout."""
+    run_check(request, layout.check_kv_l5_contradiction, kv_backend)
 
 
 def test_kv_l6(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
@@ -62,14 +73,27 @@ def test_kv_l7(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
     run_check(request, check, kv_backend, kv_device)
 
 
-def test_kv_l8_canonical(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
-    """KV-L8 canonical layout names pinned by the user."""
-    run_check(request, layout.check_kv_l8_canonical, kv_backend)
+def test_kv_l8_canonical_honoured(request: pytest.FixtureRequest,
+                                  kv_backend: BackendUnderTest) -> None:
+    """KV-L8 consistent canonical layout names pinned by the user are honoured."""
+    run_check(request, layout.check_kv_l8_canonical_honoured, kv_backend)
+
+
+def test_kv_l8_canonical_refused(request: pytest.FixtureRequest,
+                                 kv_backend: BackendUnderTest) -> None:
+    """KV-L8 contradicting canonical layout names pinned by the user are refused."""
+    run_check(request, layout.check_kv_l8_canonical_refused, kv_backend)
 
 
 def test_kv_l8_alias(request: pytest.FixtureRequest, kv_backend: BackendUnderTest) -> None:
     """KV-L8 legacy aliases (NHD, HND) pinned on the control plane."""
     run_check(request, layout.check_kv_l8_alias, kv_backend)
+
+
+def test_kv_l8_worker_disagreement(request: pytest.FixtureRequest,
+                                   kv_backend: BackendUnderTest) -> None:
+    """KV-L8 a worker pinned to another layout than the control plane's refuses it."""
+    run_check(request, layout.check_kv_l8_worker_disagreement, kv_backend)
 
 
 def test_kv_l8_worker_alias(request: pytest.FixtureRequest,
@@ -78,7 +102,13 @@ def test_kv_l8_worker_alias(request: pytest.FixtureRequest,
     run_check(request, layout.check_kv_l8_worker_alias, kv_backend)
 
 
-def test_kv_l8_env(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
-                   kv_device: str) -> None:
-    """KV-L8 VLLM_KV_CACHE_LAYOUT, consistent and contradicting."""
-    run_check(request, layout.check_kv_l8_env, kv_backend, kv_device)
+def test_kv_l8_env_honoured(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
+                            kv_device: str) -> None:
+    """KV-L8 VLLM_KV_CACHE_LAYOUT consistent with the backend is honoured."""
+    run_check(request, layout.check_kv_l8_env_honoured, kv_backend, kv_device)
+
+
+def test_kv_l8_env_refused(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
+                           kv_device: str) -> None:
+    """KV-L8 VLLM_KV_CACHE_LAYOUT contradicting the backend is refused."""
+    run_check(request, layout.check_kv_l8_env_refused, kv_backend, kv_device)
