@@ -1,13 +1,14 @@
-"""``kvconform``: show, validate and merge qualification reports (stdlib only), validate
-expected-failures files, run the suite, run the GPU checks (``gpu-check``, which imports
-its layer when called), and self-test the suite on the installed stack (``selftest``,
-which imports it when called).
+"""``kvconform``: show, validate, merge and diff qualification reports (stdlib only),
+validate expected-failures files, run the suite (``run``), the release matrix (``matrix``),
+the GPU checks (``gpu-check``, which imports its layer when called) and the suite's
+self-test on the installed stack (``selftest``, which imports it when called).
 
-Exit codes: 0 success, 1 a check that failed or could not run (``run``, ``gpu-check``)
-or a ``selftest`` that did not catch every seedable fault, 2 a bad file, an unmergeable
-set of reports, a usage error, or a subcommand that is not available (``gpu-check`` on
-a host without CUDA or vLLM's compiled kernels), 130 a ``selftest`` interrupted.  Every
-error is one line on stderr naming the file or the host it is about.
+Exit codes: 0 success, 1 a check or gate that failed (``run``, ``gpu-check``; ``diff``: a new
+failure; ``matrix``: a leg not qualified; ``selftest``: a seedable fault not caught), 2 a
+bad file, an unmergeable set of reports, a usage error, an interrupted ``matrix`` or
+``selftest``, or a subcommand that is not available (``gpu-check`` on a host without CUDA
+or vLLM's compiled kernels).  Every error is one line on stderr naming the file or the host
+it is about.
 """
 
 from __future__ import annotations
@@ -19,20 +20,24 @@ from pathlib import Path
 from typing import Any
 
 from pytest_kvconform.report.build import (
+    MATRIX_SCHEMA,
     SCHEMA,
     ReportError,
     check_mergeable,
     check_pair,
+    is_matrix,
     load_report,
     render_markdown,
+    render_matrix_markdown,
     render_merged_markdown,
     report_paths,
+    validate_matrix,
     validate_report,
 )
 
 EXIT_OK = 0
+EXIT_GATE = 1
 EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 def _error(message: str) -> int:
@@ -54,12 +59,40 @@ def _load_valid(path: str) -> dict[str, Any]:
     return report
 
 
+def _load_matrix(path: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """A combined matrix report and its legs' reports (by leg name), all validated; a leg
+    report is read next to the combined one, where the matrix wrote it."""
+    matrix = load_report(path)
+    if matrix.get("schema") != MATRIX_SCHEMA:
+        raise ReportError("$.schema", f"{path}: unsupported schema {matrix.get('schema')!r} "
+                          f"(expected {MATRIX_SCHEMA!r})")
+    _named(path, validate_matrix, matrix)
+    reports = {}
+    for leg in matrix["legs"]:
+        if leg["report"] is not None:
+            leg_path = str(Path(path).parent / leg["report"])
+            reports[leg["name"]] = _load_valid(leg_path)  # its errors name the leg's file
+            check_pair(leg_path)
+    _named(path, validate_matrix, matrix, reports)
+    return matrix, reports
+
+
+def _named(path: str, check: Any, *args: Any) -> None:
+    """``check(*args)``, its :class:`ReportError` naming ``path``."""
+    try:
+        check(*args)
+    except ReportError as exc:
+        raise ReportError(exc.path, f"{path}: {exc.path}: {exc.message}") from exc
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
     try:
-        report = _load_valid(args.report)
+        if is_matrix(load_report(args.report)):
+            sys.stdout.write(render_matrix_markdown(_load_matrix(args.report)[0]))
+        else:
+            sys.stdout.write(render_markdown(_load_valid(args.report)))
     except ReportError as exc:
         return _error(exc.message)
-    sys.stdout.write(render_markdown(report))
     return EXIT_OK
 
 
@@ -75,12 +108,68 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             print(f"{path}: valid (expected failures: {len(entries)} entries)")
             continue
         try:
-            _load_valid(path)
+            if is_matrix(load_report(path)):
+                _, reports = _load_matrix(path)
+                schema = f"{MATRIX_SCHEMA}, {len(reports)} leg report(s) of {SCHEMA}"
+            else:
+                _load_valid(path)
+                schema = SCHEMA
             check_pair(path)  # the Markdown next to it, if any, is of the same run
         except ReportError as exc:
             return _error(exc.message)
-        print(f"{path}: valid ({SCHEMA})")
+        print(f"{path}: valid ({schema})")
     return EXIT_OK
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    """B against A; exit 1 when B has a failure A does not (the CI gate)."""
+    from pytest_kvconform.report.diff import (
+        diff_matrices,
+        diff_reports,
+        render_diff,
+        render_matrix_diff,
+    )
+
+    try:
+        kinds = [is_matrix(load_report(path)) for path in (args.a, args.b)]
+        if kinds[0] != kinds[1]:
+            which = args.a if kinds[0] else args.b
+            raise ReportError("$.schema", f"{which} is a combined matrix report and the other a "
+                              "single report: diff two of a kind (a leg's report is "
+                              "OUT/<leg>.json)")
+        if kinds[0]:
+            (a, reports_a), (b, reports_b) = _load_matrix(args.a), _load_matrix(args.b)
+            found = diff_matrices(a, b, reports_a, reports_b)
+            sys.stdout.write(render_matrix_diff(found, args.a, args.b))
+            return EXIT_GATE if found.new_failures else EXIT_OK
+        a, b = _load_valid(args.a), _load_valid(args.b)
+    except ReportError as exc:
+        return _error(exc.message)
+    single = diff_reports(a, b)
+    sys.stdout.write(render_diff(single, args.a, a, args.b, b))
+    return EXIT_GATE if single.new_failures else EXIT_OK
+
+
+def _cmd_matrix(args: argparse.Namespace) -> int:
+    """Every leg of tox.ini's matrix label; exit 0 only when every leg qualified."""
+    from pytest_kvconform.session.matrix import MatrixUsageError, ToxError, run_matrix
+
+    known: dict[str, Any] = {} if args.xfails is None else \
+        {"xfails": None if args.xfails == "none" else Path(args.xfails).resolve()}
+    try:
+        matrix = run_matrix(root=Path(args.root).resolve(), out=Path(args.out).resolve(),
+                            legs=args.leg, tox=args.tox.split(), timeout=args.timeout,
+                            extra=args.extra, **known)
+    except (MatrixUsageError, ToxError) as exc:
+        return _error(str(exc))
+    except KeyboardInterrupt:
+        print(f"kvconform: matrix interrupted; what finished is in {args.out}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from pytest_kvconform.report.matrix import verdict_line
+
+    print(f"kvconform: matrix verdict: {verdict_line(matrix)}")
+    print(f"kvconform: combined report: {Path(args.out) / 'matrix.json'} (and .md)")
+    return EXIT_OK if matrix["verdict"] == "qualified" else EXIT_GATE
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
@@ -212,7 +301,7 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: its processes are gone already
         print(f"kvconform selftest: interrupted ({type(exc).__name__}); no verdict",
               file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_BAD_INPUT
     sys.stdout.write(verdict.render(found))
     if args.json is not None:
         import json
@@ -244,6 +333,26 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("reports", nargs="+", metavar="REPORT")
     merge.add_argument("-o", "--output", help="Markdown file to write (default: stdout)")
     merge.set_defaults(func=_cmd_merge)
+
+    diff = sub.add_parser("diff", help="what changed from report A to report B (two reports, or "
+                          "two combined matrix reports); exit 1 on a new failure")
+    diff.add_argument("a", metavar="A")
+    diff.add_argument("b", metavar="B")
+    diff.set_defaults(func=_cmd_diff)
+
+    matrix = sub.add_parser("matrix", help="the strict suite in every environment of tox.ini's "
+                            "matrix label, one report per leg and a combined one; other "
+                            "arguments go to pytest")
+    matrix.add_argument("-o", "--out", default="matrix", help="directory for the reports and "
+                        "logs (default: ./matrix)")
+    matrix.add_argument("--leg", action="append", default=[], help="run only this leg "
+                        "(repeatable; default: every leg)")
+    matrix.add_argument("--root", default=".", help="the clone holding tox.ini (default: .)")
+    matrix.add_argument("--tox", default="tox", help="the tox command (default: tox)")
+    matrix.add_argument("--xfails", help="known findings file for every leg (default: the "
+                        "shipped pytest_kvconform/known/vllm_omni_0_30.toml; 'none' for none)")
+    matrix.add_argument("--timeout", type=float, help="seconds each tox step may take")
+    matrix.set_defaults(func=_cmd_matrix)  # takes pytest's arguments too: see main()
 
     run = sub.add_parser("run", help="run the suite and print the report; other arguments "
                          "go to pytest (e.g. --kv-backend NAME, -n 2)")
@@ -281,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
-        if extra and args.command != "run":
+        if extra and args.command not in ("run", "matrix"):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help or a usage error, already printed by argparse
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT

@@ -231,7 +231,7 @@ def test_cli_interrupted_says_so(capsys: Any, monkeypatch: pytest.MonkeyPatch) -
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner, "run", interrupted)
-    assert main(["selftest", "--fault", "wrong_pin"]) == 130
+    assert main(["selftest", "--fault", "wrong_pin"]) == 2
     assert capsys.readouterr().err == ("kvconform selftest: interrupted (KeyboardInterrupt); "
                                        "no verdict\n")
 

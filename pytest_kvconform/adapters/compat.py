@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 from collections.abc import Iterator, Sequence
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from pytest_kvconform.contract.oracle import PHYSICAL_LAYOUTS
@@ -218,9 +219,24 @@ def get_kv_cache_configs_fn() -> Any:
 
 def get_kv_cache_configs(vllm_config: Any, specs: list[dict[str, Any]],
                          available_memory: list[int]) -> list[Any]:
-    """Upstream's planner; extra parameters (0.33+) are left at their defaults."""
+    """Upstream's planner.  Where it takes the model's global cache groups (0.33), they
+    come from the same module's ``get_global_kv_cache_groups``, as the engine core's."""
     fn = get_kv_cache_configs_fn()
+    if "global_kv_cache_groups" in inspect.signature(fn).parameters:
+        groups = importlib.import_module(fn.__module__).get_global_kv_cache_groups(
+            vllm_config, specs)
+        return fn(vllm_config, specs, available_memory, groups)
     return fn(vllm_config, specs, available_memory)
+
+
+def generate_scheduler_kv_cache_config(worker_configs: list[Any]) -> Any:
+    """Upstream's scheduler-side ``KVCacheConfig`` from the ranks' configs."""
+    for module_name in ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning"):
+        module = importlib.import_module(module_name)
+        fn = getattr(module, "generate_scheduler_kv_cache_config", None)
+        if fn is not None:
+            return fn(worker_configs)
+    raise ImportError("installed vLLM has no generate_scheduler_kv_cache_config")
 
 
 def build_native_kv_cache_configs(vllm_config: Any, specs: list[dict[str, Any]],
@@ -240,6 +256,84 @@ def build_native_kv_cache_configs(vllm_config: Any, specs: list[dict[str, Any]],
     if indexes_kv_by_block_stride is not None:
         kwargs["indexes_kv_by_block_stride"] = indexes_kv_by_block_stride
     return build(vllm_config, specs, available_memory, **kwargs)
+
+
+# --- the control plane that sizes (KV-S's planner, KV-N): vllm-omni's, or vLLM's own ------
+
+# Where vllm-omni is not installed, the sizing clauses run on vLLM alone: its engine core's
+# control plane on its own VllmConfig for this weightless model config (a Llama declaring
+# MODEL_SEQ_LIMIT positions; no weights, no tokenizer), which every result says in ``via``.
+UPSTREAM_MODEL_DIR = Path(__file__).with_name("upstream_model")
+UPSTREAM_CONTROL_PLANE = ("vLLM alone (vllm-omni not installed): vLLM's engine-core control "
+                          "plane (register_all_kvcache_specs, get_kv_cache_configs, "
+                          "generate_scheduler_kv_cache_config) on its own VllmConfig for a "
+                          "weightless model config")
+# The layout vLLM's control plane runs with when none is pinned: the contract's default
+# (vllm-omni pins it for a backend declaring False).
+DEFAULT_LAYOUT = "LBNHC"
+
+
+def control_plane_via() -> str | None:
+    """What sizes in place of vllm-omni's control plane here (None: vllm-omni's runs)."""
+    return None if omni_installed() else UPSTREAM_CONTROL_PLANE
+
+
+def control_plane_config(device: str = "cpu", *, max_model_len: int = -1,
+                         num_gpu_blocks_override: int | None = None,
+                         world_size: int = 1) -> Any:
+    """The ``VllmConfig`` the installed control plane sizes with.
+
+    vllm-omni's production config where vllm-omni is installed; else vLLM's own for the
+    weightless model of :data:`UPSTREAM_MODEL_DIR` (``max_model_len=-1``: auto-fit).
+    """
+    if omni_installed():
+        return production_vllm_config(device, max_model_len=max_model_len,
+                                      num_gpu_blocks_override=num_gpu_blocks_override,
+                                      world_size=world_size)
+    import copy
+
+    from vllm.config import DeviceConfig, VllmConfig
+
+    vllm_config = VllmConfig(model_config=copy.deepcopy(_upstream_model_config(max_model_len)),
+                             device_config=DeviceConfig(device=_device_type(device)))
+    if num_gpu_blocks_override is not None:
+        vllm_config.cache_config.num_gpu_blocks_override = num_gpu_blocks_override
+    return vllm_config
+
+
+@cache
+def _upstream_model_config(max_model_len: int) -> Any:
+    """vLLM's ``ModelConfig`` of the weightless model (the first costs ~20 s of imports)."""
+    from vllm.config import ModelConfig
+
+    wanted = {"model": str(UPSTREAM_MODEL_DIR), "tokenizer": str(UPSTREAM_MODEL_DIR),
+              "skip_tokenizer_init": True, "max_model_len": max_model_len, "dtype": "float32"}
+    params = inspect.signature(ModelConfig).parameters
+    return ModelConfig(**{k: v for k, v in wanted.items() if k in params})
+
+
+def control_plane(vllm_config: Any, specs: list[dict[str, Any]],
+                  available_memory: list[int]) -> tuple[list[Any], Any]:
+    """``(rank configs, scheduler config)`` from the installed control plane.
+
+    vllm-omni's ``build_native_kv_cache_configs``, exactly as production calls it; where
+    vllm-omni is absent, what vLLM's engine core does (``EngineCore._initialize_kv_caches``):
+    register the spec types, size every rank, stamp the layout (:data:`DEFAULT_LAYOUT`
+    unless one is pinned) on each config and derive the scheduler's.
+    """
+    if omni_installed():
+        return build_native_kv_cache_configs(vllm_config, specs, available_memory)
+    cache_config = vllm_config.cache_config
+    if cache_config.kv_cache_layout is None:
+        cache_config.kv_cache_layout = DEFAULT_LAYOUT
+    managers = importlib.import_module("vllm.v1.core.single_type_kv_cache_manager")
+    register = getattr(managers, "register_all_kvcache_specs", None)
+    if register is not None:
+        register(vllm_config)
+    worker_configs = get_kv_cache_configs(vllm_config, specs, available_memory)
+    for config in worker_configs:
+        config.kv_cache_layout = cache_config.kv_cache_layout
+    return worker_configs, generate_scheduler_kv_cache_config(worker_configs)
 
 
 def page_bytes(spec: Any) -> int:

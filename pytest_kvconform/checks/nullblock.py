@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pytest_kvconform.adapters import compat
-from pytest_kvconform.checks.common import Where, allocating
+from pytest_kvconform.checks.common import Where, allocating, note_via
 from pytest_kvconform.checks.errors import ClauseSkip, HarnessError, Unsupported
 from pytest_kvconform.checks.geometry import geometry_for, page_stride
 from pytest_kvconform.contract import oracle
@@ -46,12 +46,16 @@ def auto_fit_len(case: Case, usable: int) -> int:
 
 def plan(case: Case, memory: list[int], *, max_model_len: int = -1,
          num_gpu_blocks_override: int | None = None) -> Plan:
-    """Size through vllm-omni's production control plane, exactly as it is called."""
-    vllm_config = compat.production_vllm_config(
+    """Size through the installed control plane, exactly as it is called: vllm-omni's
+    production one, or vLLM's own engine core's where vllm-omni is absent (``via``)."""
+    via = compat.control_plane_via()
+    if via is not None:
+        note_via(via)
+    vllm_config = compat.control_plane_config(
         max_model_len=max_model_len, num_gpu_blocks_override=num_gpu_blocks_override,
         world_size=len(memory))
     specs = compat.worker_specs(replace(case, world_size=len(memory)))
-    workers, scheduler = compat.build_native_kv_cache_configs(vllm_config, specs, memory)
+    workers, scheduler = compat.control_plane(vllm_config, specs, memory)
     return Plan(workers, scheduler, vllm_config.model_config.max_model_len)
 
 
@@ -167,8 +171,6 @@ def check_kv_n3(case: Case) -> None:
 
 def _check_sizing(where: Where, memory_pages: int, *, override: int | None) -> None:
     case = where.the_case
-    # The sizing path is driven through vllm-omni's production control plane.
-    compat.require_omni(where.clause)
     pages, usable = case.num_pages, case.usable_blocks
     memory = [memory_pages * bytes_per_block(case)]
     setting = f"memory for {memory_pages} pages" + (
@@ -190,8 +192,8 @@ def _check_sizing(where: Where, memory_pages: int, *, override: int | None) -> N
                          f"{usable} usable blocks, min({compat.MODEL_SEQ_LIMIT}, "
                          f"{case.block_size} * {usable})",
                          expected=expected_len, actual=auto.max_model_len)
-    vllm_config = compat.production_vllm_config(max_model_len=auto.max_model_len,
-                                                num_gpu_blocks_override=override)
+    vllm_config = compat.control_plane_config(max_model_len=auto.max_model_len,
+                                              num_gpu_blocks_override=override)
     with allocating(where, f"building the scheduler's BlockPool of {pages} blocks",
                     pages * POOL_BYTES_PER_BLOCK):
         scheduler_pool = compat.scheduler_block_pool(vllm_config, auto.scheduler_config)
@@ -238,7 +240,6 @@ def check_kv_n4(case: Case) -> None:
     """KV-N4: memory for fewer than two pages is refused with a clear error."""
     clause = "KV-N4"
     where = Where(clause, case=case)
-    compat.require_omni(clause)
     block = bytes_per_block(case)
     attempts = (
         ("memory for 1 page", block, -1),
@@ -294,7 +295,6 @@ def check_kv_n5(case: Case) -> None:
     """KV-N5: ranks with different memory all get the smallest num_blocks, tensors shrunk."""
     clause = "KV-N5"
     where = Where(clause, case=case)
-    compat.require_omni(clause)
     pages = rank_pages(case)
     smallest = min(pages)
     block = bytes_per_block(case)

@@ -4,6 +4,9 @@ Expected numbers come only from :mod:`pytest_kvconform.contract.oracle` or from 
 case's own numbers, never from ``compute_layout_strides``.  Two production sources are
 checked: vllm-omni's ``build_kv_cache_tensor`` and the control plane's planner
 (``get_kv_cache_configs`` on vllm-omni's production config, with the layout pinned).
+Where vllm-omni is not installed, the planner runs on vLLM's own config
+(:func:`~pytest_kvconform.adapters.compat.control_plane_config`) and vllm-omni's source is
+left out; the result's ``via`` says so.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import numpy as np
 
 from pytest_kvconform.adapters import compat
 from pytest_kvconform.checks import bytemap
-from pytest_kvconform.checks.common import Where, allocating
+from pytest_kvconform.checks.common import Where, allocating, note_via
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, HarnessError, Unsupported
 from pytest_kvconform.checks.geometry import geometry_for, page_stride
 from pytest_kvconform.contract import cases, oracle
@@ -26,6 +29,10 @@ OMNI_SOURCE = "vllm-omni build_kv_cache_tensor"
 PLANNER_SOURCE = "control plane get_kv_cache_configs"
 VIEWS_SOURCE = "create_kv_cache_views"
 ALLOCATE_SOURCE = "allocate_kv_cache"
+# What a result's ``via`` says where vllm-omni is not installed.
+UPSTREAM_PLANNER = ("vLLM alone (vllm-omni not installed): get_kv_cache_configs on vLLM's own "
+                    "VllmConfig for a weightless model config")
+OMNI_ABSENT = "vllm-omni's build_kv_cache_tensor not checked (not installed)"
 TENSOR_FIELDS = ("size", "layer_stride", "block_stride", "offset")
 # The documented errors for geometries the oracle cannot lay out, as (type, a stable
 # substring of vLLM's message in kv_cache_interface): create_kv_cache_views refuses to split
@@ -56,13 +63,26 @@ def omni_tensor(case: Case, layout: str, layers: Sequence[str] | None = None,
     return compat.build_kv_cache_tensor(spec, case.num_pages, names, compat.layout(layout))
 
 
+def omni_sources() -> bool:
+    """Whether vllm-omni's ``build_kv_cache_tensor`` is a source here; where it is not
+    (vLLM alone), the result's ``via`` names what ran instead."""
+    if compat.omni_installed():
+        return True
+    note_via(UPSTREAM_PLANNER)
+    note_via(OMNI_ABSENT)
+    return False
+
+
 def planned_config(case: Case, layout: str, *, hybrid: bool = False) -> Any:
     """Rank 0's ``KVCacheConfig`` from the planner, sized for ``num_pages`` pages.
 
-    The layout is pinned on vllm-omni's production config; memory is exactly
-    ``num_pages`` blocks of the largest group (arithmetic on the case).
+    The layout is pinned on the control plane's config (vllm-omni's production one, or
+    vLLM's own where vllm-omni is absent); memory is exactly ``num_pages`` blocks of the
+    largest group (arithmetic on the case).
     """
-    vllm_config = compat.production_vllm_config()
+    if not compat.omni_installed():
+        note_via(UPSTREAM_PLANNER)
+    vllm_config = compat.control_plane_config()
     if hybrid and not compat.enable_hybrid_kv_cache_manager(vllm_config):
         raise RuntimeError("the installed SchedulerConfig has no "
                            "disable_hybrid_kv_cache_manager switch")
@@ -204,12 +224,12 @@ def _created_views(where: Where, case: Case, layout: str, tensor: Any, size: int
 def check_kv_s1(layout: str, case: Case) -> None:
     """KV-S1: production KVCacheTensor fields equal the oracle's, from both sources."""
     where = Where("KV-S1", case=case, layout=layout)
-    compat.require_omni(where.clause)
     layers = compat.layer_names(case)
     # A KVCacheTensor is per manager block: kernel splitting does not change it.
     expected = oracle.expected_tensor(layout, geometry_for(case, kernel=False))
-    tensor = where.call(OMNI_SOURCE, omni_tensor, case, layout)
-    compare_tensor(where, OMNI_SOURCE, tensor, expected, layers)
+    if omni_sources():
+        tensor = where.call(OMNI_SOURCE, omni_tensor, case, layout)
+        compare_tensor(where, OMNI_SOURCE, tensor, expected, layers)
     config = where.call(PLANNER_SOURCE, planned_config, case, layout)
     compare_tensor(where, PLANNER_SOURCE, _single_tensor(where, config), expected, layers)
 
@@ -239,7 +259,6 @@ def check_kv_s2_allocate(layout: str, case: Case, device: str) -> None:
     The planner is driven through vllm-omni's production config builder.
     """
     where = Where("KV-S2", case=case, layout=layout)
-    compat.require_omni(where.clause)
     geom = geometry_for(case)
     table = oracle.address_table(layout, geom)
     layers = compat.layer_names(case)
@@ -256,7 +275,6 @@ def check_kv_s2_allocate(layout: str, case: Case, device: str) -> None:
 def check_kv_s3(layout: str, case: Case) -> None:
     """KV-S3: block-outermost packs all layers per block; layer-outermost, a run per layer."""
     where = Where("KV-S3", case=case, layout=layout)
-    compat.require_omni(where.clause)
     member = compat.layout(layout)
     block_outer = oracle.is_block_outermost(layout)
     production_flag = where.call("KVCacheLayout.is_block_outermost",
@@ -273,9 +291,12 @@ def check_kv_s3(layout: str, case: Case) -> None:
         rule = f"page_size * num_blocks = {page} * {case.num_pages}"
     else:  # every layout is one or the other today; a new one would need a rule
         raise where.fail_at("KV-S3", f"layout {layout} is neither block- nor layer-outermost")
-    tensor = where.call(OMNI_SOURCE, omni_tensor, case, layout)
+    sources = []
+    if omni_sources():
+        sources.append((OMNI_SOURCE, where.call(OMNI_SOURCE, omni_tensor, case, layout)))
     config = where.call(PLANNER_SOURCE, planned_config, case, layout)
-    for source, got in ((OMNI_SOURCE, tensor), (PLANNER_SOURCE, _single_tensor(where, config))):
+    sources.append((PLANNER_SOURCE, _single_tensor(where, config)))
+    for source, got in sources:
         if getattr(got, name) != want:
             raise where.fail_at(source, f"{name} must be {rule}", expected={name: want},
                                 actual={name: getattr(got, name)})
@@ -308,7 +329,7 @@ def _documented_or_fail(where: Where, source: str, run: Callable[[], Any],
 def check_kv_s4(layout: str, case: Case, device: str) -> None:
     """KV-S4: kernel-block splitting and padded pages: oracle views or the documented error."""
     where = Where("KV-S4", case=case, layout=layout)
-    compat.require_omni(where.clause)
+    with_omni = omni_sources()
     geom = geometry_for(case)
     kernel = case.kernel_block_size
     kernel_sizes = [kernel] if kernel is not None else None
@@ -330,16 +351,18 @@ def check_kv_s4(layout: str, case: Case, device: str) -> None:
         table = oracle.address_table(layout, geom)
     except oracle.OracleUnsupported as unsupported:
         documented = documented_errors(geom)
-        _documented_or_fail(where, f"{OMNI_SOURCE} + {VIEWS_SOURCE}", via_views, unsupported,
-                            documented)
+        if with_omni:
+            _documented_or_fail(where, f"{OMNI_SOURCE} + {VIEWS_SOURCE}", via_views,
+                                unsupported, documented)
         _documented_or_fail(where, f"{PLANNER_SOURCE} + {ALLOCATE_SOURCE}", via_allocate,
                             unsupported, documented)
         return
     expected = oracle.expected_tensor(layout, geom)
     dense = not geom.is_padded
-    tensor, views, whole, base = where.call(f"{OMNI_SOURCE} + {VIEWS_SOURCE}", via_views)
-    compare_tensor(where, OMNI_SOURCE, tensor, expected, layers)
-    check_views(where, VIEWS_SOURCE, views, whole, base, table, expected.size, dense=dense)
+    if with_omni:
+        tensor, views, whole, base = where.call(f"{OMNI_SOURCE} + {VIEWS_SOURCE}", via_views)
+        compare_tensor(where, OMNI_SOURCE, tensor, expected, layers)
+        check_views(where, VIEWS_SOURCE, views, whole, base, table, expected.size, dense=dense)
     config, allocated = where.call(f"{PLANNER_SOURCE} + {ALLOCATE_SOURCE}", via_allocate)
     planned = _single_tensor(where, config)
     compare_tensor(where, PLANNER_SOURCE, planned, expected, layers)
@@ -386,10 +409,10 @@ def check_kv_s5(layout: str, case: Case, device: str) -> None:
 
     Two sources: the planner with the hybrid KV cache manager on (so a sliding-window
     group stays separate), and a two-group config built by hand from vllm-omni's
-    ``build_kv_cache_tensor`` per group.
+    ``build_kv_cache_tensor`` per group (where vllm-omni is installed).
     """
     where = Where("KV-S5", case=case, layout=layout)
-    compat.require_omni(where.clause)
+    with_omni = omni_sources()
     config = where.call(PLANNER_SOURCE, planned_config, case, layout, hybrid=True)
     _check_num_blocks(where, config)
     if len(config.kv_cache_groups) != case.num_groups:
@@ -397,7 +420,8 @@ def check_kv_s5(layout: str, case: Case, device: str) -> None:
                             "separate cache groups", expected=case.num_groups,
                             actual=len(config.kv_cache_groups))
     _check_groups(where, PLANNER_SOURCE, config, device)
-
+    if not with_omni:
+        return
     specs = compat.worker_specs(case)[0]
     groups = [(compat.layer_names(case, g), specs[compat.layer_names(case, g)[0]])
               for g in range(case.num_groups)]

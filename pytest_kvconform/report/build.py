@@ -43,6 +43,13 @@ from typing import Any
 from pytest_kvconform.contract import CONTRACT_VERSION
 from pytest_kvconform.contract.clauses import CLAUSE_RE, clause_sort_key
 from pytest_kvconform.report.env import environment_info
+from pytest_kvconform.report.matrix import (
+    MATRIX_SCHEMA,
+    build_matrix,
+    is_matrix,
+    render_matrix_markdown,
+    validate_matrix,
+)
 from pytest_kvconform.report.merge import (
     check_mergeable,
     host_labels,
@@ -98,12 +105,14 @@ __all__ = [
     "CLAUSE_RE",
     "ERROR_KINDS",
     "FORGIVEN_SKIP_KINDS",
+    "MATRIX_SCHEMA",
     "SCHEMA",
     "SKIP_KINDS",
     "STATUSES",
     "UPSTREAM_ROW",
     "VERDICTS",
     "ReportError",
+    "build_matrix",
     "build_report",
     "check_mergeable",
     "check_pair",
@@ -114,6 +123,7 @@ __all__ = [
     "environment_info",
     "host_labels",
     "interruption_of",
+    "is_matrix",
     "judge",
     "left_out",
     "load_report",
@@ -127,6 +137,7 @@ __all__ = [
     "nvidia_smi",
     "ran_count",
     "render_markdown",
+    "render_matrix_markdown",
     "render_merged_markdown",
     "render_terminal_matrix",
     "report_lock",
@@ -137,9 +148,11 @@ __all__ = [
     "startup_failures",
     "summarize",
     "uncovered_entries",
+    "validate_matrix",
     "validate_report",
     "verdict_text",
     "worst_status",
+    "write_matrix",
     "write_report",
 ]
 
@@ -243,9 +256,20 @@ def write_report(path: str | Path, report: Mapping[str, Any]) -> tuple[Path, Pat
     ``mkstemp``'s 0600.
     """
     validate_report(report)
+    return _write_pair(path, json.dumps(report, indent=2, allow_nan=False) + "\n",
+                       render_markdown(report))
+
+
+def write_matrix(path: str | Path, matrix: Mapping[str, Any]) -> tuple[Path, Path]:
+    """A combined matrix report and its Markdown, written as :func:`write_report` writes."""
+    validate_matrix(matrix)
+    return _write_pair(path, json.dumps(matrix, indent=2, allow_nan=False) + "\n",
+                       render_matrix_markdown(matrix))
+
+
+def _write_pair(path: str | Path, json_text: str, md_text: str) -> tuple[Path, Path]:
+    """JSON and Markdown, each via a temp file and ``os.replace``, under the pair's lock."""
     json_path, md_path = report_paths(path)
-    json_text = json.dumps(report, indent=2, allow_nan=False) + "\n"
-    md_text = render_markdown(report)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     with report_lock(json_path):
         temps: list[tuple[Path, Path]] = []

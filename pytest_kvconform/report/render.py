@@ -138,7 +138,12 @@ def _cell(results: Sequence[Mapping[str, Any]], notes: Footnotes) -> str:
         if (r["status"] != "passed" and (r.get("reason") or r.get("error_kind")))
         or r.get("seeded_fault")
     )
-    return f"{_CELL_WORD[worst]} {count}/{len(results)}" + "".join(refs)
+    return cell_text(worst, count, len(results)) + "".join(refs)
+
+
+def cell_text(status: str, count: int, total: int) -> str:
+    """A matrix cell: the worst status and how many of the cell's results have it."""
+    return f"{_CELL_WORD[status]} {count}/{total}"
 
 
 def md_escape(text: Any) -> str:

@@ -120,29 +120,29 @@ def validate_report(obj: Any) -> None:
     """
     key: Any  # a backend's key (str), then a result's sort key (tuple)
     expect_shallow(obj)
-    _expect_keys(obj, "$", TOP_KEYS)
+    expect_keys(obj, "$", TOP_KEYS)
     if obj["schema"] != SCHEMA:
         raise ReportError("$.schema", f"expected {SCHEMA!r}, got {obj['schema']!r}")
-    _expect_finite(obj, "$")
-    _expect_type(obj["contract"], "$.contract", str)
+    expect_finite(obj, "$")
+    expect_type(obj["contract"], "$.contract", str)
     if obj["contract"] not in KNOWN_CONTRACTS:
         raise ReportError("$.contract", f"unknown contract version {obj['contract']!r} "
                           f"(this kvconform knows {', '.join(map(repr, KNOWN_CONTRACTS))})")
-    _validate_run(obj["run"])
+    validate_run(obj["run"])
     _validate_environment(obj["environment"])
     _validate_selection(obj["selection"])
     _validate_startup(obj["startup_failures"], obj["environment"].get("plugins"))
-    _expect_type(obj["backends"], "$.backends", list)
+    expect_type(obj["backends"], "$.backends", list)
     for i, backend in enumerate(obj["backends"]):
         where = f"$.backends[{i}]"
-        _expect_keys(backend, where, BACKEND_KEYS, BACKEND_OPTIONAL_KEYS)
-        _expect_type(backend.get("origin"), f"{where}.origin", str, none=True)
+        expect_keys(backend, where, BACKEND_KEYS, BACKEND_OPTIONAL_KEYS)
+        expect_type(backend.get("origin"), f"{where}.origin", str, none=True)
         for key in ("name", "path", "source"):
-            _expect_type(backend[key], f"{where}.{key}", str)
+            expect_type(backend[key], f"{where}.{key}", str)
         for key in ("overridden", "importable"):
-            _expect_type(backend[key], f"{where}.{key}", bool)
-        _expect_type(backend["reason"], f"{where}.reason", str, none=True)
-    _expect_type(obj["results"], "$.results", list)
+            expect_type(backend[key], f"{where}.{key}", bool)
+        expect_type(backend["reason"], f"{where}.reason", str, none=True)
+    expect_type(obj["results"], "$.results", list)
     previous: tuple[str, ...] | None = None
     faults = obj["environment"].get("seeded_faults") or []
     for i, result in enumerate(obj["results"]):
@@ -172,7 +172,7 @@ def validate_report(obj: Any) -> None:
         why = verdict_text(verdict, [], obj["selection"], obj["run"], obj["results"], startup)
         raise ReportError("$.verdict", f"{obj['verdict']!r} but the results give {verdict!r} "
                                        f"({mode})" + (f": {why}" if why != verdict else ""))
-    _expect_type(obj["uncovered"], "$.uncovered", list)
+    expect_type(obj["uncovered"], "$.uncovered", list)
     for i, entry in enumerate(obj["uncovered"]):
         _validate_uncovered(entry, f"$.uncovered[{i}]")
     if obj["uncovered"] != uncovered:
@@ -193,69 +193,69 @@ def expect_shallow(obj: Any) -> None:
 
 
 def _validate_uncovered(entry: Any, where: str) -> None:
-    _expect_keys(entry, where, UNCOVERED_KEYS)
+    expect_keys(entry, where, UNCOVERED_KEYS)
     if entry["scope"] not in UNCOVERED_SCOPES:
         raise ReportError(f"{where}.scope",
                           f"expected one of {', '.join(UNCOVERED_SCOPES)}, got {entry['scope']!r}")
     for key in ("backend", "kind"):
-        _expect_type(entry[key], f"{where}.{key}", str, none=True)
-    _expect_type(entry["reason"], f"{where}.reason", str)
-    _expect_type(entry["results"], f"{where}.results", int)
+        expect_type(entry[key], f"{where}.{key}", str, none=True)
+    expect_type(entry["reason"], f"{where}.reason", str)
+    expect_type(entry["results"], f"{where}.results", int)
     for key in ("clauses", "declared"):
-        _expect_type(entry[key], f"{where}.{key}", list)
+        expect_type(entry[key], f"{where}.{key}", list)
         for j, item in enumerate(entry[key]):
-            _expect_type(item, f"{where}.{key}[{j}]", str)
+            expect_type(item, f"{where}.{key}[{j}]", str)
 
 
 def _validate_startup(startup: Any, plugins: Any) -> None:
     """Each plugin whose hook raised is listed, and nothing else (see ``startup_failures``)."""
-    _expect_type(startup, "$.startup_failures", list)
+    expect_type(startup, "$.startup_failures", list)
     for i, failure in enumerate(startup):
         where = f"$.startup_failures[{i}]"
-        _expect_keys(failure, where, STARTUP_FAILURE_KEYS)
+        expect_keys(failure, where, STARTUP_FAILURE_KEYS)
         for key in STARTUP_FAILURE_KEYS:
-            _expect_type(failure[key], f"{where}.{key}", str, none=key != "plugin")
+            expect_type(failure[key], f"{where}.{key}", str, none=key != "plugin")
     expected = startup_failures(plugins if isinstance(plugins, dict) else None)
     if startup != expected:
         raise ReportError("$.startup_failures", f"expected {expected} (the plugins of "
                           f"$.environment.plugins whose hook raised), got {startup!r}")
 
 
-def _expect_finite(value: Any, where: str) -> None:
+def expect_finite(value: Any, where: str) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise ReportError(where, f"expected a finite number, got {value!r}")
     if isinstance(value, dict):
         for key, item in value.items():
-            _expect_finite(item, f"{where}.{key}")
+            expect_finite(item, f"{where}.{key}")
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            _expect_finite(item, f"{where}[{i}]")
+            expect_finite(item, f"{where}[{i}]")
 
 
-def _validate_run(run: Any) -> None:
-    _expect_keys(run, "$.run", RUN_KEYS)
+def validate_run(run: Any) -> None:
+    expect_keys(run, "$.run", RUN_KEYS)
     for key in ("id", "started"):
-        _expect_type(run[key], f"$.run.{key}", str)
+        expect_type(run[key], f"$.run.{key}", str)
         if not run[key]:
             raise ReportError(f"$.run.{key}", "must not be empty")
-    _expect_number(run["duration_s"], "$.run.duration_s")
-    _expect_type(run["interruption"], "$.run.interruption", str, none=True)
+    expect_number(run["duration_s"], "$.run.duration_s")
+    expect_type(run["interruption"], "$.run.interruption", str, none=True)
 
 
 def _validate_selection(selection: Any) -> None:
     if selection is None:  # not recorded: the verdict is at best partial
         return
     where = "$.selection"
-    _expect_keys(selection, where, SELECTION_KEYS)
+    expect_keys(selection, where, SELECTION_KEYS)
     for key in ("keyword", "markexpr"):
-        _expect_type(selection[key], f"{where}.{key}", str, none=True)
+        expect_type(selection[key], f"{where}.{key}", str, none=True)
     for key in ("paths", "backends", "excluded_backends"):
-        _expect_type(selection[key], f"{where}.{key}", list)
+        expect_type(selection[key], f"{where}.{key}", list)
         for i, item in enumerate(selection[key]):
-            _expect_type(item, f"{where}.{key}[{i}]", str)
+            expect_type(item, f"{where}.{key}[{i}]", str)
     counts = {}
     for key in ("collected", "selected", "deselected"):
-        _expect_type(selection[key], f"{where}.{key}", int, none=True)
+        expect_type(selection[key], f"{where}.{key}", int, none=True)
         if selection[key] is not None and selection[key] < 0:
             raise ReportError(f"{where}.{key}", f"expected a count >= 0, got {selection[key]}")
         counts[key] = selection[key]
@@ -268,50 +268,50 @@ def _validate_selection(selection: Any) -> None:
 
 
 def _validate_environment(env: Any) -> None:
-    _expect_keys(env, "$.environment", ENV_KEYS, ENV_OPTIONAL_KEYS)
+    expect_keys(env, "$.environment", ENV_KEYS, ENV_OPTIONAL_KEYS)
     if "plugins" in env:
-        _expect_type(env["plugins"], "$.environment.plugins", dict)
+        expect_type(env["plugins"], "$.environment.plugins", dict)
     if "seeded_faults" in env:
-        _expect_type(env["seeded_faults"], "$.environment.seeded_faults", list)
+        expect_type(env["seeded_faults"], "$.environment.seeded_faults", list)
         for i, fault in enumerate(env["seeded_faults"]):
-            _expect_type(fault, f"$.environment.seeded_faults[{i}]", str)
+            expect_type(fault, f"$.environment.seeded_faults[{i}]", str)
     if "import_log" in env:
-        _expect_type(env["import_log"], "$.environment.import_log", list)
+        expect_type(env["import_log"], "$.environment.import_log", list)
         for i, message in enumerate(env["import_log"]):
             where = f"$.environment.import_log[{i}]"
-            _expect_keys(message, where, IMPORT_LOG_KEYS)
-            _expect_type(message["level"], f"{where}.level", str, none=True)
-            _expect_type(message["text"], f"{where}.text", str)
-    _expect_type(env["python"], "$.environment.python", str)
+            expect_keys(message, where, IMPORT_LOG_KEYS)
+            expect_type(message["level"], f"{where}.level", str, none=True)
+            expect_type(message["text"], f"{where}.text", str)
+    expect_type(env["python"], "$.environment.python", str)
     for key in ("torch", "vllm", "vllm_omni"):
-        _expect_type(env[key], f"$.environment.{key}", str, none=True)
+        expect_type(env[key], f"$.environment.{key}", str, none=True)
     for key in ("platform", "host"):
-        _expect_type(env[key], f"$.environment.{key}", str)
-    _expect_type(env["options"], "$.environment.options", dict)
-    _expect_type(env["seed"], "$.environment.seed", int, none=True)
-    _expect_type(env["devices"], "$.environment.devices", list)
+        expect_type(env[key], f"$.environment.{key}", str)
+    expect_type(env["options"], "$.environment.options", dict)
+    expect_type(env["seed"], "$.environment.seed", int, none=True)
+    expect_type(env["devices"], "$.environment.devices", list)
     for i, device in enumerate(env["devices"]):
         where = f"$.environment.devices[{i}]"
-        _expect_keys(device, where, DEVICE_KEYS)
-        _expect_type(device["name"], f"{where}.name", str)
-        _expect_type(device["memory_bytes"], f"{where}.memory_bytes", int, none=True)
+        expect_keys(device, where, DEVICE_KEYS)
+        expect_type(device["name"], f"{where}.name", str)
+        expect_type(device["memory_bytes"], f"{where}.memory_bytes", int, none=True)
         for key in ("driver", "cuda"):
-            _expect_type(device[key], f"{where}.{key}", str, none=True)
+            expect_type(device[key], f"{where}.{key}", str, none=True)
 
 
 def _validate_result(result: Any, where: str) -> None:
-    _expect_keys(result, where, RESULT_KEYS, optional=RESULT_OPTIONAL_KEYS)
-    _expect_type(result["nodeid"], f"{where}.nodeid", str)
-    _expect_type(result["clause"], f"{where}.clause", str)
+    expect_keys(result, where, RESULT_KEYS, optional=RESULT_OPTIONAL_KEYS)
+    expect_type(result["nodeid"], f"{where}.nodeid", str)
+    expect_type(result["clause"], f"{where}.clause", str)
     if not CLAUSE_RE.match(result["clause"]):
         raise ReportError(f"{where}.clause", f"not a clause id: {result['clause']!r}")
     for key in ("backend", "case", "layout", "device", "reason", "xfail", "seeded_fault", "via"):
-        _expect_type(result.get(key), f"{where}.{key}", str, none=True)
+        expect_type(result.get(key), f"{where}.{key}", str, none=True)
     if result["status"] not in STATUSES:
         raise ReportError(
             f"{where}.status", f"expected one of {', '.join(STATUSES)}, got {result['status']!r}"
         )
-    _expect_number(result["duration_s"], f"{where}.duration_s")
+    expect_number(result["duration_s"], f"{where}.duration_s")
     kind = result.get("skip_kind")
     if kind is not None and kind not in SKIP_KINDS:
         raise ReportError(
@@ -327,7 +327,7 @@ def _validate_result(result: Any, where: str) -> None:
                               "only an error (or an xfail that declares errors) has a kind")
 
 
-def _expect_number(value: Any, where: str) -> None:
+def expect_number(value: Any, where: str) -> None:
     """A finite number >= 0 (durations)."""
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
             or not math.isfinite(value)):
@@ -335,18 +335,18 @@ def _expect_number(value: Any, where: str) -> None:
 
 
 def _validate_summary(summary: Any) -> None:
-    _expect_keys(summary, "$.summary", SUMMARY_KEYS)
-    _expect_type(summary["strict"], "$.summary.strict", bool)
-    _expect_type(summary["total"], "$.summary.total", int)
-    _expect_type(summary["by_status"], "$.summary.by_status", dict)
-    _expect_type(summary["by_clause"], "$.summary.by_clause", dict)
-    _expect_type(summary["blocking"], "$.summary.blocking", list)
+    expect_keys(summary, "$.summary", SUMMARY_KEYS)
+    expect_type(summary["strict"], "$.summary.strict", bool)
+    expect_type(summary["total"], "$.summary.total", int)
+    expect_type(summary["by_status"], "$.summary.by_status", dict)
+    expect_type(summary["by_clause"], "$.summary.by_clause", dict)
+    expect_type(summary["blocking"], "$.summary.blocking", list)
 
 
-def _expect_keys(
+def expect_keys(
     obj: Any, where: str, required: Sequence[str], optional: Sequence[str] = ()
 ) -> None:
-    _expect_type(obj, where, dict)
+    expect_type(obj, where, dict)
     for key in required:
         if key not in obj:
             raise ReportError(f"{where}.{key}", "missing")
@@ -359,7 +359,7 @@ _TYPE_NAMES = {str: "a string", int: "an integer", bool: "a boolean", list: "a l
                dict: "an object"}
 
 
-def _expect_type(value: Any, where: str, kind: type, *, none: bool = False) -> None:
+def expect_type(value: Any, where: str, kind: type, *, none: bool = False) -> None:
     if value is None and none:
         return
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
