@@ -1,12 +1,14 @@
 """``kvconform``: show, validate, merge and diff qualification reports (stdlib only),
-validate expected-failures files, run the suite (``run``), the release matrix (``matrix``)
-and the GPU checks (``gpu-check``, which imports its layer when called).
+validate expected-failures files, run the suite (``run``), the release matrix (``matrix``),
+the GPU checks (``gpu-check``, which imports its layer when called) and the suite's
+self-test on the installed stack (``selftest``, which imports it when called).
 
 Exit codes: 0 success, 1 a check or gate that failed (``run``, ``gpu-check``; ``diff``: a new
-failure; ``matrix``: a leg not qualified), 2 a bad file, an unmergeable set of reports, a
-usage error, or a subcommand that is not available (``gpu-check`` on a host without CUDA or
-vLLM's compiled kernels).  Every error is one line on stderr naming the file or the host it
-is about.
+failure; ``matrix``: a leg not qualified; ``selftest``: a seedable fault not caught), 2 a
+bad file, an unmergeable set of reports, a usage error, an interrupted ``matrix`` or
+``selftest``, or a subcommand that is not available (``gpu-check`` on a host without CUDA
+or vLLM's compiled kernels).  Every error is one line on stderr naming the file or the host
+it is about.
 """
 
 from __future__ import annotations
@@ -268,6 +270,50 @@ class _GrabReport:
         self.report = getattr(session, "built_report", None)
 
 
+def _cmd_selftest(args: argparse.Namespace) -> int:
+    """Seed each known production fault in a fresh process and check the suite catches it
+    (``pytest_kvconform/selftest/``); the account on stdout, progress on stderr."""
+    from pytest_kvconform.adapters import fault_registry
+
+    try:
+        faults = fault_registry.select(args.fault)
+    except ValueError as exc:
+        return _error(f"selftest: {exc}")
+    if args.list:
+        for fault in faults:
+            print(f"{fault.name:<30} {fault.family:<10} {fault.how:<7} "
+                  f"[{', '.join(fault.clauses)}] on {fault.backend or 'no backend'}: "
+                  f"{fault.what}")
+        return EXIT_OK
+    if args.jobs < 1:
+        return _error(f"selftest: --jobs {args.jobs}: expected 1 or more")
+    if args.json is not None:
+        parent = Path(args.json).resolve().parent
+        if Path(args.json).is_dir() or not parent.is_dir():
+            return _error(f"{args.json}: cannot write the selftest's JSON there (a directory, "
+                          "or its parent is missing)")
+    from pytest_kvconform.selftest import runner, verdict
+
+    try:
+        found = runner.run([f.name for f in faults], jobs=args.jobs, timeout=args.timeout,
+                             progress=lambda line: print(f"kvconform selftest: {line}",
+                                                         file=sys.stderr, flush=True))
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: its processes are gone already
+        print(f"kvconform selftest: interrupted ({type(exc).__name__}); no verdict",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    sys.stdout.write(verdict.render(found))
+    if args.json is not None:
+        import json
+
+        try:
+            Path(args.json).write_text(json.dumps(verdict.as_json(found), indent=1) + "\n",
+                                       encoding="utf-8")
+        except OSError as exc:
+            return _error(f"{args.json}: cannot write: {exc.strerror or exc}")
+    return found.exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvconform", description="pytest-kvconform qualification reports"
@@ -323,6 +369,19 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--memory-fraction", type=_fraction, default=0.5, metavar="F",
                      help="share of GPU 0's free memory KV-A6 allocates (default 0.5)")
     gpu.set_defaults(func=_cmd_gpu_check)
+
+    selftest = sub.add_parser("selftest", help="seed each known production fault into the "
+                              "installed stack and check that the suite catches it; exit 1 "
+                              "if a seedable fault is not caught")
+    selftest.add_argument("--fault", action="append", metavar="NAME",
+                          help="seed only this fault (repeatable; --list names them)")
+    selftest.add_argument("--list", action="store_true", help="list the faults and exit")
+    selftest.add_argument("--jobs", "-j", type=int, default=2, metavar="N",
+                          help="faults run at once, each in its own process (default 2)")
+    selftest.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                          help="time limit of one fault's run (default 600)")
+    selftest.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    selftest.set_defaults(func=_cmd_selftest)
     return parser
 
 

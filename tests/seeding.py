@@ -1,7 +1,9 @@
-"""One way to seed a fault, shared by the ``tests/test_faults_*.py`` files.
+"""One way to seed a fault, shared by the ``tests/test_seeded_*.py`` files.
 
 A fault is planted in this process, for one test, where production looks the name up
-at call time (a module or class attribute), with the test's ``monkeypatch``; inline
+at call time (a module or class attribute), with the test's ``monkeypatch``: one of the
+package's own (``pytest_kvconform/adapters/plants.py``, which ``kvconform selftest``
+seeds too), or one a test writes for itself; inline
 pytester runs (``kv_run``) and in-process checks share the process, so the fault is
 live for them and undone after the test.  Worker faults travel to spawned KV-A workers
 through ``$KVCONFORM_WORKER_FAULT``, which every command carries.  Stand-in backends
@@ -21,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvconform.adapters import plants
 from pytest_kvconform.contract.clauses import clause_from_test_name
 from pytest_kvconform.workers import protocol
 
@@ -55,6 +58,11 @@ class Seeder:
         """Replace ``target`` with ``make(original)``: a fault that delegates to production."""
         owner, name = _owner(target)
         self._monkeypatch.setattr(owner, name, make(getattr(owner, name)))
+
+    def plant(self, patches: Sequence[plants.Patch]) -> None:
+        """Plant one of the package's faults (``adapters/plants.py``) for this test."""
+        for holder, name, value in plants.replacements(patches):
+            self._monkeypatch.setattr(holder, name, value)
 
     def worker_fault(self, fault: str) -> None:
         """Seed a fault in the KV-A workers (``hang``, ``die``, ``oom``, ...)."""

@@ -7,6 +7,7 @@ import pytest
 from pytest_kvconform.adapters import discovery
 from pytest_kvconform.contract.outcomes import describe_error
 from pytest_kvconform.contract.records import BackendUnderTest
+from tests.conftest import needs_omni
 
 
 class B:
@@ -54,3 +55,11 @@ def test_bad_hook_results(bad: object) -> None:
 def test_describe_error_never_empty() -> None:
     assert describe_error(ImportError()) == "ImportError (no message)"
     assert describe_error(ValueError("x")) == "ValueError: x"
+
+
+@needs_omni
+def test_registry_members_can_be_named() -> None:
+    """Only the named members are looked up (and imported): ``kvconform selftest`` needs
+    two of them."""
+    found, note = discovery.registry_backends({"TORCH_SDPA", "NO_SUCH_MEMBER"})
+    assert note is None and [b.name for b in found] == ["TORCH_SDPA"] and found[0].importable

@@ -25,7 +25,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("report", ("report", "report.*")),
     ("session", ("session", "session.*")),
     ("gpu", ("gpu", "gpu.*")),
-    ("top", ("pytest_kvconform", "plugin", "hookspecs", "api", "cli", "suite", "suite.*")),
+    ("top", ("pytest_kvconform", "plugin", "hookspecs", "api", "cli", "selftest", "selftest.*",
+             "suite", "suite.*")),
 )
 
 

@@ -1,9 +1,10 @@
 """Seeded faults for the KV-L clauses: each must turn its clause red, and only then.
 
 Every fault is planted with ``seed`` (``tests/seeding.py``) where production looks the
-name up (a module attribute read at call time), or is a stand-in backend registered
-through the plugin's own hook; the unpatched selection is run too, so no clause fails
-by construction.
+name up (a module attribute read at call time): the package's own faults
+(``adapters/plants.py``, which ``kvconform selftest`` seeds too), or this file's; or it is
+a stand-in backend registered through the plugin's own hook.  The unpatched selection is
+run too, so no clause fails by construction.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import seam_backends
+from pytest_kvconform.adapters import plants, seam_backends
 from tests import standin_backends as sb
 from tests.conftest import needs_omni
 from tests.seeding import Seeder, backend_args, expect_run, register_backends
@@ -40,13 +41,7 @@ def test_l1_faults_fail_and_registry_passes(kv_run, pytester: pytest.Pytester) -
 
 
 def test_l2_wrong_pin_fails(kv_run, seed: Seeder) -> None:
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    def wrong_pin(vllm_config: Any, **_: Any) -> Any:
-        vllm_config.cache_config.kv_cache_layout = "LBHNC"
-        return KVCacheLayout.LBHNC
-
-    seed.replace(RESOLVER, wrong_pin)
+    seed.plant(plants.WRONG_PIN)
     result = kv_run("-k", "kv_l2", *SDPA)
     expect_run(result, failed=1, clauses=["KV-L2"], lines=[
         "*KV-L2 violated*TORCH_SDPA*default layer-outermost*", "*expected: 'LBNHC'*",
@@ -54,20 +49,7 @@ def test_l2_wrong_pin_fails(kv_run, seed: Seeder) -> None:
 
 
 def test_l3_overwriting_a_consistent_pin_fails(kv_run, seed: Seeder) -> None:
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    def overwriting(original: Any) -> Any:
-        def resolve(vllm_config: Any, *, indexes_kv_by_block_stride: bool = False,
-                    required_layout: Any = None) -> Any:
-            cache_config = vllm_config.cache_config
-            if cache_config.kv_cache_layout is not None and required_layout is None:
-                cache_config.kv_cache_layout = "LBNHC"
-                return KVCacheLayout.LBNHC
-            return original(vllm_config, indexes_kv_by_block_stride=indexes_kv_by_block_stride,
-                            required_layout=required_layout)
-        return resolve
-
-    seed.wrap(RESOLVER, overwriting)
+    seed.plant(plants.OVERWRITES_CONSISTENT_PIN)
     result = kv_run("-k", "kv_l3", *SDPA)
     expect_run(result, failed=1, clauses=["KV-L3"], lines=[
         "*KV-L3 violated*TORCH_SDPA*layout=LBHNC*pinned layout LBHNC (consistent with the "
@@ -76,34 +58,15 @@ def test_l3_overwriting_a_consistent_pin_fails(kv_run, seed: Seeder) -> None:
 
 
 def test_l4_overwriting_a_contradictory_pin_fails(kv_run, seed: Seeder) -> None:
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    def overwriting(original: Any) -> Any:
-        def resolve(vllm_config: Any, *, indexes_kv_by_block_stride: bool = False,
-                    required_layout: Any = None) -> Any:
-            cache_config = vllm_config.cache_config
-            current = cache_config.kv_cache_layout
-            need = bool(indexes_kv_by_block_stride)
-            if current is not None and KVCacheLayout[current].is_block_outermost != need:
-                layout = KVCacheLayout.BLNHC if need else KVCacheLayout.LBNHC
-                cache_config.kv_cache_layout = layout.name
-                return layout
-            return original(vllm_config, indexes_kv_by_block_stride=indexes_kv_by_block_stride,
-                            required_layout=required_layout)
-        return resolve
-
-    seed.wrap(RESOLVER, overwriting)
+    seed.plant(plants.ACCEPTS_CONTRADICTORY_PIN)
     result = kv_run("-k", "kv_l4 or kv_l3", *SDPA)
     expect_run(result, failed=1, passed=1, clauses=["KV-L4"], lines=[
         "*KV-L4 violated*TORCH_SDPA*layout=BLHNC*pinned layout BLHNC contradicts "
         "indexes_kv_by_block_stride()=False, but resolution accepted it: returned LBNHC*"])
 
 
-ASSERTION = "vllm_omni.diffusion.diffusion_kv.layout.assert_backend_layout_supported"
-
-
 def test_l5_silent_assertion_fails_the_contradiction_control(kv_run, seed: Seeder) -> None:
-    seed.replace(ASSERTION, lambda vllm_config, attn_backend: None)
+    seed.plant(plants.SILENT_ASSERTION)
     result = kv_run("-k", "kv_l5", *SDPA)
     expect_run(result, failed=1, passed=2, clauses=["KV-L5"],
                lines=["*_ test_kv_l5_contradiction?TORCH_SDPA? _*",
@@ -112,15 +75,7 @@ def test_l5_silent_assertion_fails_the_contradiction_control(kv_run, seed: Seede
 
 def test_l5_assertion_raising_unresolved_fails_only_that_control(kv_run, seed: Seeder) -> None:
     """A worker not yet told the layout must not crash; the other two controls hold."""
-    def eager(vllm_config: Any, attn_backend: Any) -> None:
-        if vllm_config.cache_config.kv_cache_layout is None:
-            raise ValueError("KV cache layout has not been resolved yet")
-        original(vllm_config, attn_backend)
-
-    from vllm_omni.diffusion.diffusion_kv import layout as omni_layout
-
-    original = omni_layout.assert_backend_layout_supported
-    seed.replace(ASSERTION, eager)
+    seed.plant(plants.ASSERTION_RAISES_UNRESOLVED)
     result = kv_run("-k", "kv_l5", *SDPA)
     expect_run(result, failed=1, passed=2, clauses=["KV-L5"], lines=[
         "*_ test_kv_l5_unresolved?TORCH_SDPA? _*",
@@ -129,11 +84,7 @@ def test_l5_assertion_raising_unresolved_fails_only_that_control(kv_run, seed: S
 
 def test_l5_assertion_refusing_everything_fails_only_the_consistent_control(
         kv_run, seed: Seeder) -> None:
-    def refusing(vllm_config: Any, attn_backend: Any) -> None:
-        if vllm_config.cache_config.kv_cache_layout is not None:
-            raise ValueError(f"refused {vllm_config.cache_config.kv_cache_layout}")
-
-    seed.replace(ASSERTION, refusing)
+    seed.plant(plants.ASSERTION_REFUSES_ALL)
     result = kv_run("-k", "kv_l5", *SDPA)
     expect_run(result, failed=1, passed=2, clauses=["KV-L5"], lines=[
         "*_ test_kv_l5_consistent?TORCH_SDPA? _*",
@@ -255,13 +206,7 @@ def test_l8_an_adoption_that_accepts_every_layout_fails_the_worker_disagreement(
         kv_run, seed: Seeder) -> None:
     """The worker alias "passes" when adoption accepts anything: its neighbouring control
     is what tells that from a fix."""
-    def accepting(vllm_config: Any, kv_cache_config: Any) -> Any:
-        from vllm.v1.kv_cache_layout import KVCacheLayout
-
-        vllm_config.cache_config.kv_cache_layout = kv_cache_config.kv_cache_layout
-        return KVCacheLayout[kv_cache_config.kv_cache_layout]
-
-    seed.replace("vllm_omni.diffusion.diffusion_kv.layout.adopt_kv_cache_layout", accepting)
+    seed.plant(plants.ADOPTS_ANY_LAYOUT)
     result = kv_run("-k", "kv_l8_worker", *SDPA)
     expect_run(result, failed=1, passed=1, clauses=["KV-L8"], lines=[
         "*_ test_kv_l8_worker_disagreement?TORCH_SDPA? _*",

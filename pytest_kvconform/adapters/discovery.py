@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol
@@ -72,8 +72,10 @@ def _path_of(cls: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def registry_backends() -> tuple[list[BackendUnderTest], str | None]:
-    """Every ``DiffusionAttentionBackendEnum`` member, importable or not."""
+def registry_backends(names: Collection[str] | None = None) -> tuple[
+        list[BackendUnderTest], str | None]:
+    """Every ``DiffusionAttentionBackendEnum`` member (those ``names`` names, when given:
+    the others are not imported), importable or not."""
     if not compat.omni_installed():
         return [], OMNI_MISSING
     try:
@@ -84,6 +86,8 @@ def registry_backends() -> tuple[list[BackendUnderTest], str | None]:
         return [], f"vllm-omni registry not importable: {describe_error(exc)}"
     found = []
     for member in DiffusionAttentionBackendEnum:
+        if names is not None and member.name not in names:
+            continue
         try:
             overridden = bool(member.is_overridden())
             path = member.get_path()

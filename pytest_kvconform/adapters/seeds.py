@@ -1,4 +1,5 @@
-"""Faults seeded inside the KV-A worker side, for the harness's own tests.
+"""Faults seeded inside the KV-A worker side, for the harness's own tests and
+``kvconform selftest`` (its registry: ``adapters/fault_registry.py``).
 
 A seeded fault reaches the processes that host production's worker through
 ``$KVCONFORM_WORKER_FAULT`` (forwarded with every worker command, inherited by the
@@ -304,6 +305,28 @@ def applicable(fault: str) -> str | None:
         return (f"{regression.qualname} does not run on this host ({type(exc).__name__}: "
                 f"{exc})")
     return None
+
+
+def unseedable(fault: str) -> str | None:
+    """Why a regression or corruption cannot be seeded into the installed stack (its target
+    does not import, or no longer has the statement it rewrites), or None: the rewrite is
+    compiled here, as each worker would, and thrown away."""
+    reason = applicable(fault)
+    regression = REGRESSIONS.get(fault)
+    if reason is None and regression is not None and fault != "shared_cache_config":
+        owner, name = _owner(regression.target)
+        try:
+            _rewritten(vars(owner)[name], {fault}, regression.qualname)
+        except SeedError as exc:
+            reason = str(exc)
+    if fault in CORRUPTIONS:
+        try:
+            module = importlib.import_module(_CONTROL_PLANE)
+        except Exception as exc:  # the control plane does not import here
+            return f"{_CONTROL_PLANE} does not import ({type(exc).__name__}: {exc})"
+        if not hasattr(module, "build_native_kv_cache_configs"):
+            return f"{_CONTROL_PLANE}.build_native_kv_cache_configs is gone on this version"
+    return reason
 
 
 @contextlib.contextmanager

@@ -181,6 +181,23 @@ def attach(shared: Mapping[str, Any]) -> bool:
     return True
 
 
+def attach_after_fork(shared: Mapping[str, Any] | None) -> bool:
+    """In a process ``os.fork``-ed from the server's starter: forget the inherited server
+    (it is the starter's: this process must never stop it) and :func:`attach` to it as
+    :func:`share` described it.  A starter that was itself attached passes None: its
+    attachment holds in the fork as it is.  False when no server is there to use."""
+    global _dir
+    if _attached:
+        return True
+    if _server._forkserver_pid is not None:
+        with contextlib.suppress(OSError, TypeError):
+            os.close(_server._forkserver_alive_fd)
+        _server._forkserver_address = _server._forkserver_alive_fd = None
+        _server._forkserver_pid = None
+        _dir = None
+    return shared is not None and attach(shared)
+
+
 def _ensure_attached() -> None:
     """``ensure_running`` for an attached server: the resource tracker, and a live server."""
     from multiprocessing import resource_tracker

@@ -1,0 +1,393 @@
+"""Faults planted in this process's installed vLLM / vllm-omni: layout, strides, null block.
+
+Each fault is a few :class:`Patch` records: an attribute of the installed stack (a
+function where production looks it up at call time) replaced by ``make(original)``,
+the function a regression would leave there, which mostly delegates to the original.
+The checks and the oracle are never touched.  ``tests/seeding.py`` plants them for one
+test (with pytest's ``monkeypatch``), ``kvconform selftest`` in a fresh process
+(:func:`planted`).
+
+A fault that cannot be planted on the installed version (its module does not import,
+the attribute it replaces is gone, or what the replacement needs is missing) raises
+:class:`Unplantable` naming why, before anything is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_LAYOUT = "vllm_omni.diffusion.diffusion_kv.layout"
+RESOLVER = f"{_LAYOUT}:resolve_diffusion_kv_cache_layout"
+BUILD_TENSOR = f"{_LAYOUT}:build_kv_cache_tensor"
+# create_kv_cache_views where the checks and where allocate_kv_cache look it up.
+VIEWS = "vllm.v1.kv_cache_interface:create_kv_cache_views"
+VIEWS_IN_ALLOCATE = "vllm.v1.worker.utils:create_kv_cache_views"
+KV_CACHE_UTILS = "vllm.v1.core.kv_cache_utils"
+GET_NEW_BLOCKS = "vllm.v1.core.block_pool:BlockPool.get_new_blocks"
+# get_kv_cache_configs where vllm-omni's control plane looks it up.
+RANK_SIZING = "vllm_omni.diffusion.diffusion_kv.initialization:get_kv_cache_configs"
+
+
+class Unplantable(RuntimeError):
+    """The installed version lacks what a planted fault replaces or needs."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """``target`` (``module:attr`` or ``module:Class.attr``) replaced by ``make(original)``."""
+
+    target: str
+    make: Callable[[Any], Any]
+
+
+def owner(target: str) -> tuple[Any, str]:
+    """(the module or class holding ``target``, its attribute name); :class:`Unplantable`
+    if the module does not import or the attribute is gone."""
+    module, _, path = target.partition(":")
+    try:
+        holder: Any = importlib.import_module(module)
+    except Exception as exc:
+        raise Unplantable(f"{module} does not import ({type(exc).__name__}: {exc})") from None
+    *classes, name = path.split(".")
+    for part in [*classes, name]:
+        if not hasattr(holder, part):
+            raise Unplantable(f"{target.replace(':', '.')} is gone on this version "
+                              f"({getattr(holder, '__name__', holder)!s} has no {part!r})")
+        if part != name:
+            holder = getattr(holder, part)
+    return holder, name
+
+
+def replacements(patches: Sequence[Patch]) -> list[tuple[Any, str, Any]]:
+    """(owner, name, replacement) for each patch, every one resolved before any is applied."""
+    out = []
+    for patch in patches:
+        holder, name = owner(patch.target)
+        try:
+            out.append((holder, name, patch.make(getattr(holder, name))))
+        except Unplantable:
+            raise
+        except Exception as exc:  # what the replacement needs is missing here
+            raise Unplantable(f"{patch.target.replace(':', '.')}: the fault cannot be built on "
+                              f"this version ({type(exc).__name__}: {exc})") from None
+    return out
+
+
+@contextlib.contextmanager
+def planted(patches: Sequence[Patch]) -> Iterator[None]:
+    """For the duration: every patch applied; the originals put back afterwards."""
+    applied = replacements(patches)
+    undo = [(holder, name, vars(holder).get(name, _ABSENT)) for holder, name, _ in applied]
+    try:
+        for holder, name, value in applied:
+            setattr(holder, name, value)
+        yield
+    finally:
+        for holder, name, original in reversed(undo):
+            if original is _ABSENT:
+                delattr(holder, name)
+            else:
+                setattr(holder, name, original)
+
+
+_ABSENT = object()
+
+
+# --- KV-L: layout resolution --------------------------------------------------------------
+
+
+def _layout_enum() -> Any:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return KVCacheLayout
+
+
+def _wrong_pin(original: Any) -> Any:
+    """Resolution pins LBHNC whatever the backend needs (KV-L2)."""
+    layouts = _layout_enum()
+
+    def resolve(vllm_config: Any, **_: Any) -> Any:
+        vllm_config.cache_config.kv_cache_layout = "LBHNC"
+        return layouts.LBHNC
+    return resolve
+
+
+def _overwrites_consistent_pin(original: Any) -> Any:
+    """A pinned layout consistent with the backend is replaced by the default (KV-L3)."""
+    layouts = _layout_enum()
+
+    def resolve(vllm_config: Any, *, indexes_kv_by_block_stride: bool = False,
+                required_layout: Any = None) -> Any:
+        cache_config = vllm_config.cache_config
+        if cache_config.kv_cache_layout is not None and required_layout is None:
+            cache_config.kv_cache_layout = "LBNHC"
+            return layouts.LBNHC
+        return original(vllm_config, indexes_kv_by_block_stride=indexes_kv_by_block_stride,
+                        required_layout=required_layout)
+    return resolve
+
+
+def _accepts_contradictory_pin(original: Any) -> Any:
+    """A pinned layout that contradicts the backend is silently replaced (KV-L4)."""
+    layouts = _layout_enum()
+
+    def resolve(vllm_config: Any, *, indexes_kv_by_block_stride: bool = False,
+                required_layout: Any = None) -> Any:
+        cache_config = vllm_config.cache_config
+        current = cache_config.kv_cache_layout
+        need = bool(indexes_kv_by_block_stride)
+        if current is not None and layouts[current].is_block_outermost != need:
+            layout = layouts.BLNHC if need else layouts.LBNHC
+            cache_config.kv_cache_layout = layout.name
+            return layout
+        return original(vllm_config, indexes_kv_by_block_stride=indexes_kv_by_block_stride,
+                        required_layout=required_layout)
+    return resolve
+
+
+def _silent_assertion(original: Any) -> Any:
+    """The layout assertion never raises (KV-L5)."""
+    def assert_backend_layout_supported(vllm_config: Any, attn_backend: Any) -> None:
+        return None
+    return assert_backend_layout_supported
+
+
+def _raises_unresolved(original: Any) -> Any:
+    """The layout assertion raises while the layout is still unresolved (KV-L5)."""
+    def assert_backend_layout_supported(vllm_config: Any, attn_backend: Any) -> None:
+        if vllm_config.cache_config.kv_cache_layout is None:
+            raise ValueError("KV cache layout has not been resolved yet")
+        original(vllm_config, attn_backend)
+    return assert_backend_layout_supported
+
+
+def _refuses_all(original: Any) -> Any:
+    """The layout assertion refuses every pinned layout, consistent ones too (KV-L5)."""
+    def assert_backend_layout_supported(vllm_config: Any, attn_backend: Any) -> None:
+        if vllm_config.cache_config.kv_cache_layout is not None:
+            raise ValueError(f"refused {vllm_config.cache_config.kv_cache_layout}")
+    return assert_backend_layout_supported
+
+
+def _adopts_any(original: Any) -> Any:
+    """A worker adopts whatever layout the control plane sends, over its own pin (KV-L8)."""
+    layouts = _layout_enum()
+
+    def adopt_kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> Any:
+        vllm_config.cache_config.kv_cache_layout = kv_cache_config.kv_cache_layout
+        return layouts[kv_cache_config.kv_cache_layout]
+    return adopt_kv_cache_layout
+
+
+_ASSERTION = f"{_LAYOUT}:assert_backend_layout_supported"
+WRONG_PIN = (Patch(RESOLVER, _wrong_pin),)
+OVERWRITES_CONSISTENT_PIN = (Patch(RESOLVER, _overwrites_consistent_pin),)
+ACCEPTS_CONTRADICTORY_PIN = (Patch(RESOLVER, _accepts_contradictory_pin),)
+SILENT_ASSERTION = (Patch(_ASSERTION, _silent_assertion),)
+ASSERTION_RAISES_UNRESOLVED = (Patch(_ASSERTION, _raises_unresolved),)
+ASSERTION_REFUSES_ALL = (Patch(_ASSERTION, _refuses_all),)
+ADOPTS_ANY_LAYOUT = (Patch(f"{_LAYOUT}:adopt_kv_cache_layout", _adopts_any),)
+
+
+# --- KV-S: strides ----------------------------------------------------------------------
+
+
+def _hand_strides(original: Any) -> Any:
+    """Strides written by hand for layer-outermost layouts, whatever the layout (KV-S1/S3)."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    def build_kv_cache_tensor(spec: Any, num_blocks: int, layers: Any, *, layout: Any = None,
+                              offset: int = 0) -> Any:
+        page = spec.page_size_bytes
+        return KVCacheTensor(size=page * len(layers) * num_blocks, layers=list(layers),
+                             layer_stride=page * num_blocks, block_stride=page, offset=offset)
+    return build_kv_cache_tensor
+
+
+def _one_page_late(original: Any) -> Any:
+    """Every view starts one page late (KV-S2)."""
+    def create_kv_cache_views(raw: Any, spec: Any, num_blocks: int, layout: Any, tensor: Any,
+                              kernel_block_size: int | None = None) -> Any:
+        moved = dataclasses.replace(tensor, offset=tensor.offset + spec.page_size_bytes)
+        return original(raw, spec, num_blocks, layout, moved, kernel_block_size)
+    return create_kv_cache_views
+
+
+def _padded_as_dense(original: Any) -> Any:
+    """The padding of a padded page is dropped when the tensor is derived (KV-S4)."""
+    def build_kv_cache_tensor(spec: Any, num_blocks: int, layers: Any, *, layout: Any = None,
+                              offset: int = 0) -> Any:
+        dense = dataclasses.replace(spec, page_size_padded=None)
+        return original(dense, num_blocks, layers, layout=layout, offset=offset)
+    return build_kv_cache_tensor
+
+
+def _unrelated_padded(original: Any) -> Any:
+    """Padded pages raise an unrelated ValueError where the documented error is due (KV-S4)."""
+    def build_kv_cache_tensor(spec: Any, num_blocks: int, layers: Any, *, layout: Any = None,
+                              offset: int = 0) -> Any:
+        if spec.page_size_padded is not None:
+            raise ValueError("unrelated bug")
+        return original(spec, num_blocks, layers, layout=layout, offset=offset)
+    return build_kv_cache_tensor
+
+
+def _unrelated_split(original: Any) -> Any:
+    """Kernel-block splitting raises an unrelated ValueError where the documented error is
+    due (KV-S4)."""
+    def create_kv_cache_views(raw: Any, spec: Any, num_blocks: int, layout: Any, tensor: Any,
+                              kernel_block_size: int | None = None) -> Any:
+        if kernel_block_size is not None and kernel_block_size < spec.block_size:
+            raise ValueError("unrelated bug")
+        return original(raw, spec, num_blocks, layout, tensor, kernel_block_size)
+    return create_kv_cache_views
+
+
+def _alias_in_group(original: Any) -> Any:
+    """With several groups, layer l+1 starts one block after layer l (KV-S5)."""
+    def get_kv_cache_config_from_groups(vllm_config: Any, groups: Any,
+                                        available_memory: Any) -> Any:
+        config = original(vllm_config, groups, available_memory)
+        if len(groups) > 1:
+            for tensor in config.kv_cache_tensors:
+                tensor.layer_stride = tensor.block_stride
+        return config
+    return get_kv_cache_config_from_groups
+
+
+HAND_STRIDES = (Patch(BUILD_TENSOR, _hand_strides),)
+VIEW_OFFSET = (Patch(VIEWS, _one_page_late), Patch(VIEWS_IN_ALLOCATE, _one_page_late))
+VIEW_OFFSET_ALLOCATE = (Patch(VIEWS_IN_ALLOCATE, _one_page_late),)
+PADDED_AS_DENSE = (Patch(BUILD_TENSOR, _padded_as_dense),)
+UNRELATED_PADDED = (Patch(BUILD_TENSOR, _unrelated_padded),)
+UNRELATED_SPLIT = (Patch(VIEWS, _unrelated_split), Patch(VIEWS_IN_ALLOCATE, _unrelated_split))
+ALIAS_IN_GROUP = (Patch(f"{KV_CACHE_UTILS}:get_kv_cache_config_from_groups", _alias_in_group),)
+
+
+# --- KV-N: the null block -----------------------------------------------------------------
+
+
+def _hands_out_null_block(original: Any) -> Any:
+    """The pool counts the null block as free: one block more than it may hand out (KV-N1)."""
+    def get_new_blocks(self: Any, num_blocks: int) -> list[Any]:
+        if num_blocks == self.get_num_free_blocks() + 1:
+            return [*original(self, num_blocks - 1), self.null_block]
+        return original(self, num_blocks)
+    return get_new_blocks
+
+
+def _crashes_when_exhausted(original: Any) -> Any:
+    """An exhausted pool crashes with a RuntimeError, not a refusal's ValueError (KV-N1)."""
+    def get_new_blocks(self: Any, num_blocks: int) -> list[Any]:
+        if num_blocks > self.get_num_free_blocks():
+            raise RuntimeError("free list corrupted")
+        return original(self, num_blocks)
+    return get_new_blocks
+
+
+def _per_block() -> Any:
+    module: Any = importlib.import_module(KV_CACHE_UTILS)
+    return module._pool_bytes_per_block
+
+
+def _forgetful_fit(fit: Any) -> Any:
+    """Auto-fit counts the null block's memory as usable (the pre-0.29 sizing)."""
+    per_block = _per_block()
+
+    def auto_fit(vllm_config: Any, groups: list[Any], memory: list[int]) -> None:
+        memory = [m + per_block(g) if g else m for g, m in zip(groups, memory, strict=True)]
+        fit(vllm_config, groups, memory)
+    return auto_fit
+
+
+def _forgetful_check(check: Any) -> Any:
+    """Admission counts the null block's memory as usable (the pre-0.29 sizing)."""
+    per_block = _per_block()
+
+    def check_enough(available: int, needed: Any, max_model_len: int, estimate: Any) -> None:
+        groups = needed.args[1]  # partial(_max_memory_usage_bytes_from_groups, cfg, groups)
+        check(available + per_block(groups), needed, max_model_len, estimate)
+    return check_enough
+
+
+def _override_ignored(original: Any) -> Any:
+    """Ranks are sized from profiled memory; num_gpu_blocks_override is dropped (KV-N3)."""
+    def get_kv_cache_configs(vllm_config: Any, specs: Any, memory: list[int]) -> Any:
+        cache_config = vllm_config.cache_config
+        saved = cache_config.num_gpu_blocks_override
+        cache_config.num_gpu_blocks_override = None
+        try:
+            return original(vllm_config, specs, memory)
+        finally:
+            cache_config.num_gpu_blocks_override = saved
+    return get_kv_cache_configs
+
+
+def _lax_check(check: Any) -> Any:
+    """No memory left after the null block is waved through (KV-N4)."""
+    def check_enough(available: int, *args: Any) -> None:
+        if available > 0:
+            check(available, *args)
+    return check_enough
+
+
+def _lax_fit(fit: Any) -> Any:
+    """Auto-fit settles for one token instead of refusing (KV-N4)."""
+    def auto_fit(vllm_config: Any, *args: Any) -> None:
+        try:
+            fit(vllm_config, *args)
+        except ValueError:
+            vllm_config.model_config.max_model_len = 1
+    return auto_fit
+
+
+def _sized_for_largest(original: Any) -> Any:
+    """Every rank gets the largest rank's memory instead of the smallest's (KV-N5)."""
+    def get_kv_cache_configs(vllm_config: Any, specs: Any, memory: list[int]) -> Any:
+        return original(vllm_config, specs, [max(memory)] * len(memory))
+    return get_kv_cache_configs
+
+
+def _tensors_not_shrunk(original: Any) -> Any:
+    """Ranks take the smallest count but keep tensors sized for their own memory (KV-N5)."""
+    def get_kv_cache_configs(vllm_config: Any, specs: Any, memory: list[int]) -> Any:
+        configs = [original(vllm_config, [s], [m])[0] for s, m in zip(specs, memory, strict=True)]
+        smallest = min(c.num_blocks for c in configs)
+        for config in configs:
+            config.num_blocks = smallest
+        return configs
+    return get_kv_cache_configs
+
+
+_FIT = f"{KV_CACHE_UTILS}:_auto_fit_max_model_len"
+_CHECK = f"{KV_CACHE_UTILS}:_check_enough_kv_cache_memory"
+HANDS_OUT_NULL_BLOCK = (Patch(GET_NEW_BLOCKS, _hands_out_null_block),)
+CRASHES_WHEN_EXHAUSTED = (Patch(GET_NEW_BLOCKS, _crashes_when_exhausted),)
+FORGETS_NULL_BLOCK = (Patch(_FIT, _forgetful_fit), Patch(_CHECK, _forgetful_check))
+OVERRIDE_IGNORED = (Patch(RANK_SIZING, _override_ignored),)
+NO_REFUSAL = (Patch(_CHECK, _lax_check), Patch(_FIT, _lax_fit))
+SIZED_FOR_LARGEST = (Patch(RANK_SIZING, _sized_for_largest),)
+TENSORS_NOT_SHRUNK = (Patch(RANK_SIZING, _tensors_not_shrunk),)
+
+
+# --- KV-L7: the paged stand-ins' reads -------------------------------------------------------
+
+_STANDINS = "pytest_kvconform.adapters.paged_standins"
+
+
+def _read(name: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        module: Any = importlib.import_module(_STANDINS)
+        return getattr(module, name)
+    return make
+
+
+# A conforming stand-in's kernel swapped for one that misreads the cache.
+IGNORES_TABLE = (Patch(f"{_STANDINS}:PagedOk.IMPL", _read("IgnoresTable")),)
+WRONG_BLOCK_STRIDE = (Patch(f"{_STANDINS}:PagedOkBlockStride.IMPL", _read("WrongBlockStride")),)
+TRUNCATES_PARTIAL_BLOCK = (Patch(f"{_STANDINS}:PagedOk.IMPL", _read("TruncatesPartialBlock")),)
