@@ -135,6 +135,15 @@ def test_import_messages_split_output_into_messages_with_their_level() -> None:
     ]
 
 
+def test_torchs_prefix_loses_its_time_and_process_id() -> None:
+    """The registry's torch warns at import (glog's prefix): the same run, the same report."""
+    line = ("W1204 18:44:30.847000 13557 torch/utils/cpp_extension.py:178] No CUDA runtime is "
+            "found, using CUDA_HOME='/usr/local'\n")
+    assert run_env.import_messages(line) == [
+        {"level": "WARNING", "text": "WARNING [torch/utils/cpp_extension.py:178] No CUDA "
+                                     "runtime is found, using CUDA_HOME='/usr/local'"}]
+
+
 def test_import_log_lines_summarise_and_verbose_shows_each_message() -> None:
     messages = run_env.import_messages(STACK_OUTPUT)
     assert run_env.import_log_lines([], verbose=True, report=True) == []

@@ -110,13 +110,21 @@ def seam_missing() -> str | None:
     return None
 
 
-def host_limit(exc: BaseException, device: Any) -> str | None:
+def host_limit(exc: BaseException, device: Any = None) -> str | None:
     """Why ``exc`` is this host's hardware limit rather than production's failure (None:
     it is production's): torch's accelerator API raised it, and the host has no
-    accelerator for ``device``."""
-    gap = accelerator_gap(device)
+    accelerator for ``device`` (default: the device production's worker takes)."""
+    module = _accelerator_frame(exc)
+    if module is None:
+        return None
+    gap = accelerator_gap(worker_device() if device is None else device)
     if gap is None:
         return None
+    return f"torch's accelerator API ({module}) cannot serve it: {gap}"
+
+
+def _accelerator_frame(exc: BaseException) -> str | None:
+    """The torch accelerator-API module a frame of ``exc`` (or of its causes) ran in."""
     seen: set[int] = set()
     error: BaseException | None = exc
     while error is not None and id(error) not in seen:
@@ -124,7 +132,7 @@ def host_limit(exc: BaseException, device: Any) -> str | None:
         for frame, _line in traceback.walk_tb(error.__traceback__):
             module = str(frame.f_globals.get("__name__", ""))
             if module.startswith(_ACCELERATOR_API):
-                return f"torch's accelerator API ({module}) cannot serve it: {gap}"
+                return module
         error = error.__cause__ or error.__context__
     return None
 

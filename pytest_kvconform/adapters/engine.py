@@ -112,7 +112,6 @@ def entry_point() -> EntryPoint:
     take here can be left out (``around_worker``)."""
     why_platform = _no_platform()
     why_executor = _import_error(_MODULES[EXECUTOR]) or why_platform
-    unmeasured = None
     if why_executor is None:
         unmeasured = around_worker.unmeasured_reason(around_worker.worker_device())
         missing = around_worker.seam_missing() if unmeasured else None
@@ -316,8 +315,8 @@ def error_record(exc: BaseException, stage: str) -> dict[str, Any]:
 def _host_limit(exc: BaseException) -> str | None:
     """Why the exception is the host's hardware limit (``around_worker.host_limit``)."""
     try:
-        return around_worker.host_limit(exc, around_worker.worker_device())
-    except Exception:  # no platform or no torch: nothing to tell
+        return around_worker.host_limit(exc)
+    except Exception:  # no platform to ask for the worker's device: nothing to tell
         return None
 
 

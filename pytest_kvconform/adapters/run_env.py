@@ -138,6 +138,10 @@ _PY_WARNING = re.compile(r"^\S.*?: \w*Warning: ")
 # gives the same report.
 _VLLM_TIME = re.compile(r"^((?:DEBUG|INFO|WARNING|ERROR|CRITICAL) )\d\d-\d\d \d\d:\d\d:\d\d"
                         r"(?:\.\d+)? ")
+# torch's (glog's) prefix, "W1204 18:44:30.847000 13557 path.py:178] ": the time and the
+# process id go; the letter becomes the level's name.
+_TORCH_PREFIX = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d(?:\.\d+)? +\d+ ([^\s\]]+)\] ")
+_TORCH_LEVELS = {"I": "INFO", "W": "WARNING", "E": "ERROR", "F": "CRITICAL"}
 IMPORT_LOG_KEY = "import_log"  # the report's environment key (report_schema.py)
 
 
@@ -145,13 +149,14 @@ def import_messages(text: str) -> list[dict[str, Any]]:
     """Captured output as messages, ``{"level", "text"}``: a line that starts a message
     (not indented), with its indented continuation lines; a traceback ends with its
     exception line.  ``level`` is read from vLLM's and transformers' prefixes, a Python
-    warning or a traceback; None when the text names none.  vLLM's timestamps are
-    dropped."""
+    warning or a traceback; None when the text names none.  vLLM's and torch's
+    timestamps (and torch's process id) are dropped."""
     messages: list[list[str]] = []
     for line in _ANSI.sub("", text).splitlines():
         if not line.strip():
             continue
         line = _VLLM_TIME.sub(r"\1", line)
+        line = _TORCH_PREFIX.sub(lambda m: f"{_TORCH_LEVELS[m[1]]} [{m[2]}] ", line)
         continues = line[:1].isspace() or (
             messages and messages[-1][0].startswith("Traceback")
             and messages[-1][-1][:1].isspace())

@@ -40,11 +40,6 @@ def level(handles: Sequence[WorkerHandle]) -> str:
     return _entry_point(handles).level
 
 
-def via(handles: Sequence[WorkerHandle], topology: str) -> str:
-    """Which production code the workers' deployment hands the configs to, in words."""
-    return _entry_point(handles).chain(topology)
-
-
 class ChildDeployment:
     """The whole engine in one worker process."""
 
