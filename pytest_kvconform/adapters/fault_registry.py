@@ -105,6 +105,7 @@ _FAULTS: tuple[Fault, ...] = (
     _worker("skip_layer_assertion", ("KV-A4",), beside=("assert_layer_backends",)),
     _worker("other_rank_config", ("KV-A3", "KV-A5"), cases=("ws2",)),
     _worker("shared_cache_config", ("KV-A4",)),
+    _worker("handoff_drops_layout", ("KV-A2", "KV-A5"), cases=("bf16_h8", "ws2")),
     _worker("unstamped_configs", ("KV-A1", "KV-A3", "KV-A4")),
     _worker("misnamed_configs", ("KV-A1", "KV-A3")),
     _worker("shifted_offset", ("KV-A1", "KV-A3")),
