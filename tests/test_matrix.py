@@ -15,6 +15,7 @@ import pytest
 from pytest_kvconform.cli import main
 from pytest_kvconform.report.build import ReportError, validate_matrix
 from pytest_kvconform.session import legs, matrix
+from tests import faultkit
 from tests.fake_tox import UV_ERROR
 
 FAKE_TOX = f"{sys.executable} {Path(__file__).with_name('fake_tox.py')}"
@@ -200,7 +201,6 @@ def test_repository_matrix_label_names_every_supported_minor() -> None:
 def test_sigterm_stops_the_running_leg_and_leaves_an_interrupted_matrix(
         clone: Path, tmp_path: Path) -> None:
     """No child outlives the matrix; what finished stays, the rest is named."""
-    import os
     import signal
     import subprocess
     import time
@@ -215,19 +215,16 @@ def test_sigterm_stops_the_running_leg_and_leaves_an_interrupted_matrix(
     with subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         deadline = time.monotonic() + 60
-        while not pid_file.exists() and time.monotonic() < deadline:
+        hung = 0
+        while not hung and time.monotonic() < deadline:  # written, and not half-written
             time.sleep(0.1)
-        hung = int(pid_file.read_text())
+            text = pid_file.read_text() if pid_file.exists() else ""
+            hung = int(text) if text.strip().isdigit() else 0
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2, err
     assert "kvconform: matrix interrupted; what finished is in" in err
-    try:
-        os.kill(hung, 0)
-        alive = True
-    except ProcessLookupError:
-        alive = False
-    assert not alive
+    assert not faultkit.wait_gone([hung]), f"the hung leg's process {hung} outlived the matrix"
     combined = json.loads((out / "matrix.json").read_text())
     assert combined["verdict"] == "interrupted"
     assert combined["run"]["interruption"] == "Terminated during leg py311-vllm031"
