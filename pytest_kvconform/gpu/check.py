@@ -100,12 +100,14 @@ def _sizings(free: int, fraction: float, device: str) -> list[A6Sizing]:
 def run(out: Path, *, memory_fraction: float, gpus: gpu_host.GpuHost,
         sizing_device: str = "cuda:0",
         free_memory: Callable[[int], int] = gpu_host.free_memory,
-        echo: TextIO = sys.stdout) -> dict[str, Any]:
+        echo: TextIO | None = None) -> dict[str, Any]:
     """Every step, judged; writes OUT/REPORT.md and OUT/gpu-check.json, returns the record.
 
     ``gpus`` is :func:`gpu_host.probe`'s answer; the tests pass their own (and
-    ``sizing_device="cpu"``) to run all of it on CPU.
+    ``sizing_device="cpu"``) to run all of it on CPU.  ``echo`` defaults to the
+    ``sys.stdout`` of the call, not of the import (pytest's capture swaps it).
     """
+    echo = sys.stdout if echo is None else echo
     started = time.monotonic()
     steps = []
     for step in (suite_step(out, memory_fraction), pinning_step(out)):
