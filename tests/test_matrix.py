@@ -198,6 +198,7 @@ def test_repository_matrix_label_names_every_supported_minor() -> None:
         "vllm": "0.30.0", "vllm_omni": "0.30.0", "torch": "2.13.0"}
 
 
+@pytest.mark.delivers_signal
 def test_sigterm_stops_the_running_leg_and_leaves_an_interrupted_matrix(
         clone: Path, tmp_path: Path) -> None:
     """No child outlives the matrix; what finished stays, the rest is named."""

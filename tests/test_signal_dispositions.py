@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SIGNAL_TESTS = ROOT / "tests" / "test_seeded_process.py"
+SIGNAL_TESTS = [ROOT / "tests" / "test_seeded_process.py", ROOT / "tests" / "test_matrix.py"]
 
 
 def _sigint_ignored_and_blocked() -> None:
@@ -43,7 +43,7 @@ def test_the_child_inherits_sigint_ignored_and_blocked() -> None:
 
 def test_signal_tests_pass_with_sigint_inherited_ignored() -> None:
     """The serial ones: the xdist variants add only more processes to the same path."""
-    result = _run("-m", "pytest", str(SIGNAL_TESTS), "-m", "delivers_signal", "-k",
+    result = _run("-m", "pytest", *map(str, SIGNAL_TESTS), "-m", "delivers_signal", "-k",
                   "not xdist", "-p", "no:randomly", "-p", "no:cacheprovider", "-q",
                   timeout=300)
     tail = result.stdout[-4000:] + result.stderr[-2000:]

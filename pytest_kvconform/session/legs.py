@@ -7,7 +7,8 @@ that output (uv's resolver error, an import error), so a leg is never a silent g
 environment, with extra ``KVCONFORM_*`` variables, which tox passes on.
 
 No child outlives this process: each is asked to stop (SIGTERM) when it dies
-(``PR_SET_PDEATHSIG``), and on Ctrl-C / SIGTERM here it is interrupted, then killed.
+(``PR_SET_PDEATHSIG``), and on Ctrl-C / SIGTERM here it is interrupted (SIGINT, which each
+child receives with its default disposition, whatever this process inherited), then killed.
 Stdlib only.
 """
 
@@ -163,7 +164,14 @@ class Tox:
 
 
 def _tie_to_this_process() -> None:
+    """In the child before exec: it dies with us, and the SIGINT :func:`_stop` sends reaches it.
+
+    Started as a background job (``cmd &``), this process inherits SIGINT ignored, and
+    possibly blocked; tox would inherit that too and sit out its grace period.
+    """
     set_parent_death_signal(signal.SIGTERM)  # tox stops its own command on SIGTERM
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _wait(child: subprocess.Popen[str], timeout: float | None) -> tuple[int | None, bool, str]:
