@@ -390,8 +390,11 @@ def test_worker_fault_run_exits_1_with_a_valid_report_and_no_process_left(
     outcome = worker_fault_run
     assert outcome.returncode == pytest.ExitCode.TESTS_FAILED, outcome.output[-3000:]
     assert len(_report_ok(outcome)) == 6
-    # hang and die each cost a worker; after the OOM the same worker served on.
-    assert len(outcome.workers) == 3, outcome.workers
+    # hang and die each cost a worker (replaced); after the OOM the same worker served on
+    # (its next test passes: test_worker_fault_is_an_error_and_the_run_goes_on).  Beside
+    # them, the forked CPU workers a deployment takes while others close theirs: at most
+    # SPARE_SETS per rank of the widest deployment (world size 2).
+    assert 3 <= len(outcome.workers) <= 2 + workers.SPARE_SETS * 2, outcome.workers
     _no_process_left(outcome)
 
 
@@ -453,7 +456,11 @@ def test_killed_run_leaves_no_process(tmp_path: Path, xdist: bool, sig: int) -> 
     run, whose start-up removes them (its owner is gone).
     """
     outcome = faultkit.killed(tmp_path, xdist=xdist, sig=sig)
-    assert len(outcome.workers) == (2 if xdist else 1), outcome.output[-3000:]
+    # one KV-A worker per pytest process (per xdist worker), or another beside it that the
+    # next test took while the first closed its deployment (SPARE_SETS; world size 1 here)
+    processes = 2 if xdist else 1
+    assert processes <= len(outcome.workers) <= processes * workers.SPARE_SETS, \
+        outcome.output[-3000:]
     assert outcome.watched > outcome.workers  # the xdist workers, resource trackers, ...
     _no_process_left(outcome)
     _no_temp_dir_after_the_next_start(outcome)

@@ -79,6 +79,36 @@ def test_a_command_that_raises_reports_the_worker_traceback(pool: workers.Worker
     assert handle.ping()["pid"] == handle.pid  # still serving
 
 
+def test_a_release_later_reply_is_read_before_the_next_command() -> None:
+    own = workers.WorkerPool(preload=())
+    try:
+        handle = own.get(["cpu"])[0]
+        assert handle.defers_release  # a forked CPU worker
+        handle.release_later()
+        assert handle.ping()["pid"] == handle.pid  # the ping's reply, not the release's
+        assert not handle.busy
+    finally:
+        own.close()
+
+
+def test_a_worker_still_closing_its_deployment_is_not_handed_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a forked worker tears a deployment down, the next deployment gets others."""
+    own = workers.WorkerPool(preload=())
+    try:
+        first = own.get(["cpu"])[0]
+        monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: h is first))
+        other = own.get(["cpu"])[0]
+        assert other is not first and other.alive
+        pair = own.get(["cpu", "cpu"])
+        assert first not in pair and len({h.pid for h in pair}) == 2
+        monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: True))
+        every = own.get(["cpu", "cpu"])  # all busy: at most SPARE_SETS per rank, wait on one
+        assert len(own.workers) <= workers.SPARE_SETS * 2 and len(set(every)) == 2
+    finally:
+        own.close()
+
+
 def test_close_leaves_no_process_behind() -> None:
     own = workers.WorkerPool(preload=())
     handles = own.get(["cpu", "cpu"])

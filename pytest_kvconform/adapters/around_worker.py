@@ -41,6 +41,14 @@ harness does exactly this, and nothing elsewhere:
   same ``PipeExecutor``, which then also stands in for the worker's all-gather (every
   rank's answer, in rank order).
 
+- **closing**, on CPU (KV-A workers forked from the fork server): each deployment is closed
+  by production's own shutdown (the executor's, or a rank's worker's:
+  ``child._WorkerState.release``), but the test process does not wait for it: the
+  next deployment runs on other KV-A workers while it finishes (``WorkerHandle.release_later``,
+  ``WorkerPool.get``).  That teardown is mostly gloo process groups waiting on their
+  transport's clock (~0.1 s a deployment); a failure in it belongs to no check.  On GPUs
+  the close is waited for, since it returns device memory a later check measures.
+
 :func:`host_limit` tells a worker start-up failure that is the host's (raised by torch's
 accelerator API for a device the host has no accelerator for) from production's own.
 vLLM, vllm-omni and torch are imported lazily.

@@ -54,7 +54,10 @@ class ChildDeployment:
 
     def close(self) -> None:
         if self.handle.alive:
-            self.handle.release()
+            if self.handle.defers_release:
+                self.handle.release_later()
+            else:
+                self.handle.release()
 
 
 class ParentDeployment:
@@ -89,7 +92,13 @@ class ParentDeployment:
     def close(self) -> None:
         alive = [handle for handle in self.started if handle.alive]
         self.started = []
-        _all(alive, lambda _rank, handle: handle.send({"cmd": "release"}), "release")
+        waited = []
+        for handle in alive:
+            if handle.defers_release:
+                handle.release_later()
+            else:
+                waited.append(handle)
+        _all(waited, lambda _rank, handle: handle.send({"cmd": "release"}), "release")
 
 
 Deployment = ChildDeployment | ParentDeployment

@@ -27,8 +27,9 @@ frames.  Importing vLLM / vllm-omni costs ~10 s idle (20-45 s loaded), so:
   CUDA is already initialised in it.
 
 Workers are pooled per (device, slot) and reused for the whole session (each
-deployment is closed before the next starts); a dead worker is replaced on the
-next request, and the request that saw it die raises :class:`WorkerDied` carrying
+deployment is closed before the next starts on the same worker; a forked CPU worker
+closes it while the next deployment runs on another, ``SPARE_SETS``); a dead worker is
+replaced on the next request, and the request that saw it die raises :class:`WorkerDied` carrying
 the tail of its stderr.
 
 Stdlib only at import (numpy, torch, pytest and ``compat`` are imported where used).
@@ -70,6 +71,9 @@ from pytest_kvconform.workers.protocol import (
 )
 
 _STDERR_TAIL_CHARS = 4000
+# Forked CPU workers per rank a placement may hold: one set runs a deployment while the
+# other tears its last one down (``WorkerHandle.release_later``).
+SPARE_SETS = 2
 
 
 def active_fault() -> str | None:
@@ -166,6 +170,8 @@ class WorkerHandle:
         self.killed = False
         self.ready = False
         self.info: dict[str, Any] = {}
+        self._owed: list[str] = []  # commands sent whose replies are still to be read
+        self._exit_asked = False
         self.process = self._make_process()
         if self.method == "spawn" or forkserver.is_ready():
             self._start()
@@ -248,6 +254,7 @@ class WorkerHandle:
 
     def send(self, message: dict[str, Any]) -> None:
         self.wait_ready()
+        self._settle(block=True)
         message = {**message, "fault": active_fault()}
         if message["fault"] is not None:
             _faulted_commands[message["fault"]] = _faulted_commands.get(message["fault"], 0) + 1
@@ -354,14 +361,58 @@ class WorkerHandle:
         """Close what the worker ran (and, on CUDA, return its memory to the driver)."""
         self.request("release")
 
+    @property
+    def defers_release(self) -> bool:
+        """Whether :meth:`release_later` applies: a forked CPU worker.
+
+        Its release is production's deployment teardown (``DiffusionWorker.shutdown``),
+        mostly gloo process groups waiting on their own transport's clock, ~0.1 s a
+        deployment; nothing a later check measures depends on it.  A GPU worker's release
+        returns device memory the next check may measure, so it is waited for.
+        """
+        return self.method == "forkserver" and not self.device.startswith("cuda")
+
+    def release_later(self) -> None:
+        """Start :meth:`release` without waiting: its reply is read before this worker's
+        next command, and meanwhile the pool hands the next deployment other workers
+        (:meth:`WorkerPool.get`).  Its teardown's own failure is not the next check's."""
+        self.send({"cmd": "release"})
+        self._owed.append("release")
+
+    @property
+    def busy(self) -> bool:
+        """Still closing a deployment released with :meth:`release_later`."""
+        self._settle(block=False)
+        return bool(self._owed)
+
+    def _settle(self, *, block: bool) -> None:
+        """Read the replies owed to :meth:`release_later` (those already there, or all).
+
+        A teardown that raised is left at that (the next deployment starts with its own
+        release); a worker that died or hung in it is killed and replaced on the pool's
+        next request, as before.
+        """
+        while self._owed and (block or self.conn.poll()):
+            what = self._owed.pop(0)
+            with contextlib.suppress(WorkerCommandError, WorkerDied, WorkerTimeout):
+                self._receive(what, budget.bound(COMMAND_TIMEOUT_S))
+            if not self.alive:
+                self._owed.clear()
+
+    def ask_to_exit(self) -> None:
+        """Tell the worker to exit, without waiting (:meth:`close` waits)."""
+        if self.alive and self.ready and not self._exit_asked:
+            self._exit_asked = True
+            with contextlib.suppress(Exception):
+                self.conn.send({"cmd": "shutdown"})
+
     def close(self, timeout: float = 5.0) -> None:
         """Ask the worker to exit; terminate, then kill, if it does not."""
         if not self.started:
             for end in self._child_ends:
                 end.close()
         if self.alive and self.ready:
-            with contextlib.suppress(Exception):
-                self.conn.send({"cmd": "shutdown"})
+            self.ask_to_exit()
             self.process.join(timeout)
         self.kill()
         self.conn.close()
@@ -412,6 +463,7 @@ class WorkerPool:
         self.workdir = tempdirs.make("workers")  # in the run's directory (tempdirs.py)
         self.workers: dict[tuple[str, int], WorkerHandle] = {}
         self.replaced = 0
+        self._widest: dict[str, int] = {}  # the most ranks a deployment placed there
         self._server_held = False  # this pool counts as a user of the fork server
 
     @staticmethod
@@ -425,7 +477,10 @@ class WorkerPool:
 
     def prestart(self, devices: Sequence[str]) -> None:
         """Start the workers for ``devices`` without waiting (their imports overlap)."""
-        for key in self.keys(devices):
+        self._prestart(self.keys(devices))
+
+    def _prestart(self, keys: Sequence[tuple[str, int]]) -> None:
+        for key in keys:
             handle = self.workers.get(key)
             if handle is None or not handle.alive:
                 if handle is not None:
@@ -460,16 +515,37 @@ class WorkerPool:
 
     def get(self, devices: Sequence[str]) -> list[WorkerHandle]:
         """One ready worker per entry of ``devices`` (rank order); dead ones are replaced."""
-        self.prestart(devices)
-        handles = [self.workers[key] for key in self.keys(devices)]
+        keys = self._idle_keys(devices)
+        self._prestart(keys)
+        handles = [self.workers[key] for key in keys]
         for handle in handles:  # all forked before any is waited for: they start together
             handle.launch()
         for handle in handles:
             handle.wait_ready()
         return handles
 
+    def _idle_keys(self, devices: Sequence[str]) -> list[tuple[str, int]]:
+        """:meth:`keys`, except that where a worker is still closing its last deployment
+        (:attr:`WorkerHandle.busy`) another takes its rank: up to ``SPARE_SETS`` workers
+        per rank of a placement whose workers defer their release, so one set tears a
+        deployment down while the next deployment runs on another."""
+        keys = self.keys(devices)
+        chosen: list[tuple[str, int]] = []
+        for placement, slot in keys:
+            count = sum(1 for d in devices if d == placement)
+            self._widest[placement] = max(count, self._widest.get(placement, 0))
+            slots = range(SPARE_SETS * self._widest[placement]) \
+                if start_method(placement) == "forkserver" else range(slot, slot + 1)
+            free = [(placement, s) for s in slots if (placement, s) not in chosen]
+            idle = [k for k in free if k not in self.workers or not self.workers[k].busy]
+            chosen.append((idle or free)[0])
+        return chosen
+
     def close(self) -> None:
-        for handle in list(self.workers.values()):
+        handles = list(self.workers.values())
+        for handle in handles:  # all at once: each tears its last deployment down
+            handle.ask_to_exit()
+        for handle in handles:
             handle.close()
         self.workers.clear()
         self.cool()  # after its workers: they die with the server
