@@ -24,6 +24,7 @@ from pytest_kvconform.contract import cases as cases_mod
 from pytest_kvconform.contract.clauses import clause_from_test_name
 from pytest_kvconform.contract.outcomes import describe_error
 from pytest_kvconform.contract.records import BackendUnderTest, Case
+from pytest_kvconform.session import failure_repr
 from pytest_kvconform.session import xdist as xdist_hooks
 from pytest_kvconform.session.options import Options
 
@@ -254,6 +255,7 @@ class KvSelection:
                 continue
             self.counts.collected += 1  # before -k / -m / --deselect
             item.user_properties.extend(props.items())
+            failure_repr.concise(item)
             if not self.xfails:
                 continue
             from pytest_kvconform.session.xfails import matching, xfail_reason
