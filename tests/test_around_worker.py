@@ -158,3 +158,34 @@ def test_kv_a_on_a_torch_whose_accelerator_the_device_does_not_match_fails_nothi
         "DiffusionExecutor.set_kv_cache_configs (the multiproc executor's RPC envelope to one "
         "KV-A worker process per rank) -> DiffusionWorker.set_kv_cache_configs")
     assert topologies["test_kv_a1[FLASH_ATTN-bf16_h8]"].startswith("UniProcDiffusionExecutor")
+
+
+def test_a_rank_above_0_waits_for_rank_0s_rendezvous_store_and_no_longer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """It returns once the port accepts a connection; with nothing listening, after its
+    bound, so production's own start then runs as it would have."""
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    server = socket.socket()
+    server.bind(("localhost", 0))
+    port = server.getsockname()[1]
+    accepted: list[object] = []
+
+    def listen_later() -> None:
+        server.listen()
+        accepted.append(server.accept()[0])
+
+    later = threading.Timer(0.05, listen_later)
+    try:
+        later.start()
+        around_worker.await_rendezvous(SimpleNamespace(master_port=port), 1)
+        later.join()  # returns once the wait's connection was accepted
+        assert len(accepted) == 1
+    finally:
+        server.close()
+    monkeypatch.setattr(around_worker, "RENDEZVOUS_WAIT_S", 0.05)
+    around_worker.await_rendezvous(SimpleNamespace(master_port=port), 1)  # nothing listens
+    around_worker.await_rendezvous(SimpleNamespace(master_port=None), 1)
+    around_worker.await_rendezvous(SimpleNamespace(master_port=port), 0)  # rank 0 serves

@@ -449,6 +449,7 @@ def rank_worker(od: Any, rank: int) -> Any:
         return RankHost(od, rank)
     from vllm_omni.diffusion.worker.diffusion_worker import WorkerProc
 
+    around_worker.await_rendezvous(od, rank)
     with around_worker.seams():
         return WorkerProc._create_worker(WorkerProc.__new__(WorkerProc), rank, od,
                                          od.worker_extension_cls,
