@@ -37,7 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = "import vllm_omni.diffusion.diffusion_kv.layout"
-WORKER = ("import time; from pytest_kvconform import workers; t = time.perf_counter(); "
+WORKER = ("import time; from pytest_kvconform.workers import pool as workers; "
+          "t = time.perf_counter(); "
           "workers.pool().get(['cpu']); print(time.perf_counter() - t); "
           "t = time.perf_counter(); workers.pool().get(['cpu', 'cpu']); "
           "print(time.perf_counter() - t); workers.close_pool()")
