@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -67,22 +65,6 @@ def test_a_run_turns_humming_builds_off_unless_the_user_chose(
     assert int((pytester.path / "frozen.txt").read_text()) > 100_000
     assert gc.get_freeze_count() == 0
 
-
-
-def test_the_heap_is_frozen_at_exit_after_the_exit_handlers_registered_later() -> None:
-    """The interpreter's final collections then skip it; registered once however often
-    asked, and after what a run registers later (vLLM's, torch's exit handlers)."""
-    script = (
-        "import atexit, gc\n"
-        "atexit.register(lambda: print('after', gc.get_freeze_count() > 0))\n"
-        "from pytest_kvconform.adapters import run_env\n"
-        "before = atexit._ncallbacks()\n"
-        "run_env.freeze_heap_at_exit(); run_env.freeze_heap_at_exit()\n"
-        "print('registered', atexit._ncallbacks() - before)\n"
-        "atexit.register(lambda: print('later', gc.get_freeze_count()))\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True).stdout.split("\n")
-    assert out[:3] == ["registered 1", "later 0", "after True"]
 
 
 def test_freeze_and_thaw_the_heap() -> None:

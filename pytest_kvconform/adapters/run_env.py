@@ -22,11 +22,8 @@ Also :func:`freeze_heap` / :func:`thaw_heap`: after collection, the objects the 
 stack's import left behind (~940,000 tracked by the garbage collector) are moved out of
 its reach for the tests, so a full collection (one during the suite, and pytest's own two
 at the end of the run) no longer walks them: 0.3-0.4 s each on 2 cores.  They
-are handed back when the run ends, so a pytester run leaves nothing frozen.  And
-:func:`freeze_heap_at_exit`: at interpreter exit, once the exit handlers registered after
-the run started have run, the whole heap is frozen again, so the interpreter's final
-collections (~2 s over the serving stack's heap on 2 cores) do not walk what the OS is about
-to reclaim anyway.
+are handed back when the run ends, before the process exits: the interpreter's final
+collections find what they always did, and a pytester run leaves nothing frozen.
 
 Also :func:`captured_output`: what importing the serving stack prints (vllm-omni's
 backends warn that SageAttention or FlashInfer is unavailable, transformers prints
@@ -39,7 +36,6 @@ Stdlib only.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import logging
@@ -125,24 +121,6 @@ def freeze_heap() -> int:
     """Move every object the collector tracks into its permanent generation; how many."""
     gc.freeze()
     return gc.get_freeze_count()
-
-
-def freeze_heap_at_exit() -> None:
-    """Freeze the heap at interpreter exit, after the exit handlers registered later.
-
-    What the final collections would find is garbage the process's exit frees anyway;
-    the rest is still freed by reference counting as the modules are cleared.  CPython
-    does not promise to finalise what is alive at exit either way, and the run's reports,
-    files and workers are closed before (``pytest_unconfigure``).  Registered once per
-    process.
-    """
-    global _EXIT_FREEZE
-    if not _EXIT_FREEZE:
-        _EXIT_FREEZE = True
-        atexit.register(gc.freeze)
-
-
-_EXIT_FREEZE = False
 
 
 def thaw_heap() -> None:

@@ -52,7 +52,6 @@ class KvSession:
         # configure hooks, so it runs last, after pytest's own end-of-run collections
         # (unraisableexception's, at unconfigure and in its cleanup).
         config.add_cleanup(run_env.thaw_heap)
-        run_env.freeze_heap_at_exit()  # the interpreter's final collections skip the heap
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         """Close the KV-A worker pool (unless a pytester-hosting test still holds it)."""
