@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import pytest
 
+import pytest_kvconform.suite
 from pytest_kvconform.contract import clauses
 from pytest_kvconform.contract.outcomes import ClauseFailure
 from pytest_kvconform.contract.records import BackendUnderTest, Case
@@ -58,12 +60,27 @@ def test_a_row_becomes_a_test_with_its_fixtures_and_cases(monkeypatch: pytest.Mo
     assert getfuncargnames(namespace["test_kv_l9"]) == ("request", "kv_backend", "kv_device")
 
 
-@needs_omni
-def test_the_suite_runs_a_new_row_and_reports_its_failure(
-        monkeypatch: pytest.MonkeyPatch, kv_run) -> None:
+TABLE = "pytest_kvconform.suite.test_table"
+
+
+@pytest.fixture
+def seeded_rows(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The clause table with :data:`NEW_ROWS`, and the suite's table module built from it,
+    for one test only (the shipped table module is back afterwards)."""
     monkeypatch.setattr(clauses, "CLAUSES", (*clauses.CLAUSES, *NEW_ROWS))
     monkeypatch.setattr(clauses, "BY_ID", {c.id: c for c in clauses.CLAUSES})
-    monkeypatch.delitem(sys.modules, "pytest_kvconform.suite.test_table", raising=False)
+    before = sys.modules.pop(TABLE, None)
+    yield
+    sys.modules.pop(TABLE, None)
+    vars(pytest_kvconform.suite).pop("test_table", None)
+    if before is not None:
+        sys.modules[TABLE] = before
+        pytest_kvconform.suite.test_table = before  # type: ignore[attr-defined]
+
+
+@needs_omni
+@pytest.mark.usefixtures("seeded_rows")
+def test_the_suite_runs_a_new_row_and_reports_its_failure(kv_run) -> None:
     result = kv_run("--kv-backend", "TORCH_SDPA", "--kv-device", "cpu", "-k", "kv_l9 or kv_n6")
     one_rank_one_group = 8  # shipped cases the predicate selects (one of them padded)
     result.assert_outcomes(passed=1 + one_rank_one_group - 1, failed=1)
