@@ -109,6 +109,44 @@ def test_a_worker_still_closing_its_deployment_is_not_handed_out(
         own.close()
 
 
+def test_a_spare_set_starts_while_a_deployment_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next deployment finds forked workers already started, until SPARE_SETS are."""
+    own = workers.WorkerPool(preload=())
+    try:
+        first = own.get(["cpu", "cpu"])
+        spare = [h for h in own.workers.values() if h not in first]
+        assert len(spare) == 2 and all(h.started and h.alive for h in spare)
+        assert own.get(["cpu", "cpu"]) == first  # idle and started: no third set
+        assert len(own.workers) == 4
+        monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: h in first))
+        second = own.get(["cpu", "cpu"])
+        assert set(second) == set(spare) and len(own.workers) == 6  # all others busy
+        monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: True))
+        for _ in range(3):
+            own.get(["cpu", "cpu"])
+        assert len(own.workers) == workers.SPARE_SETS * 2
+    finally:
+        own.close()
+
+
+def test_workers_made_before_the_fork_server_was_ready_fork_between_tests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    own = workers.WorkerPool(preload=())
+    try:
+        assert own.warm(["cpu"]) and forkserver.wait_ready(60)
+        monkeypatch.setattr(forkserver, "is_ready", lambda: False)
+        own.prestart(["cpu"])  # its worker and a spare one, waiting for the server
+        pending = list(own.workers.values())
+        assert len(pending) == 2 and not any(h.started for h in pending)
+        assert own.launch_pending() == 0
+        monkeypatch.undo()
+        assert own.launch_pending() == 2
+        assert all(h.started and h.ping()["pid"] == h.pid for h in pending)
+        assert own.launch_pending() == 0
+    finally:
+        own.close()
+
+
 def test_close_leaves_no_process_behind() -> None:
     own = workers.WorkerPool(preload=())
     handles = own.get(["cpu", "cpu"])

@@ -49,8 +49,9 @@ harness does exactly this, and nothing elsewhere:
   by production's own shutdown (the executor's, or a rank's worker's:
   ``child._WorkerState.release``), but the test process does not wait for it: the
   next deployment runs on other KV-A workers while it finishes (``WorkerHandle.release_later``,
-  ``WorkerPool.get``).  That teardown is mostly gloo process groups waiting on their
-  transport's clock (~0.1 s a deployment); a failure in it belongs to no check.  On GPUs
+  ``WorkerPool.get``, up to ``SPARE_SETS`` workers per rank, each set started while the
+  deployment before it runs).  That teardown is mostly gloo process groups waiting on their
+  transport's clock (~0.16 s a deployment); a failure in it belongs to no check.  On GPUs
   the close is waited for, since it returns device memory a later check measures.
 
 :func:`host_limit` tells a worker start-up failure that is the host's (raised by torch's

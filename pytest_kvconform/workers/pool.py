@@ -65,6 +65,7 @@ from pytest_kvconform.workers.protocol import (
     STARTUP_TIMEOUT_S,
     WorkerCommandError,
     WorkerDied,
+    WorkerError,
     WorkerOOM,
     WorkerTimeout,
     child_device,
@@ -72,8 +73,11 @@ from pytest_kvconform.workers.protocol import (
 
 _STDERR_TAIL_CHARS = 4000
 # Forked CPU workers per rank a placement may hold: one set runs a deployment while the
-# other tears its last one down (``WorkerHandle.release_later``).
-SPARE_SETS = 2
+# others tear their last ones down (``WorkerHandle.release_later``).  A teardown takes
+# ~0.16 s of waiting (0.016 s CPU) against ~0.05 s for a deployment, so with two sets the
+# test process waited 1.5-1.7 s a serial run for teardowns; with up to four, ~0.02 s.  A
+# set is started only once every other is busy, and a forked worker holds ~50 MiB of its own.
+SPARE_SETS = 4
 
 
 def active_fault() -> str | None:
@@ -476,8 +480,11 @@ class WorkerPool:
         return keys
 
     def prestart(self, devices: Sequence[str]) -> None:
-        """Start the workers for ``devices`` without waiting (their imports overlap)."""
-        self._prestart(self.keys(devices))
+        """Start the workers for ``devices`` without waiting (their imports overlap), and
+        forked ones a spare set for the deployment after."""
+        keys = self.keys(devices)
+        self._prestart(keys)
+        self._start_spare(devices, keys)
 
     def _prestart(self, keys: Sequence[tuple[str, int]]) -> None:
         for key in keys:
@@ -520,15 +527,45 @@ class WorkerPool:
         handles = [self.workers[key] for key in keys]
         for handle in handles:  # all forked before any is waited for: they start together
             handle.launch()
+        self._start_spare(devices, keys)
         for handle in handles:
             handle.wait_ready()
         return handles
 
-    def _idle_keys(self, devices: Sequence[str]) -> list[tuple[str, int]]:
+    def _start_spare(self, devices: Sequence[str], taken: Sequence[tuple[str, int]]) -> None:
+        """Start one more set of forked workers for ``devices`` if the next deployment would
+        find none idle (each other set still tears a deployment down, or there is none).
+
+        It starts up while the deployment on ``taken`` runs, so the next one does not wait
+        for a worker's start; at most ``SPARE_SETS`` sets (:meth:`_idle_keys`)."""
+        if not all(start_method(d) == "forkserver" for d in devices):
+            return
+        spare = self._idle_keys(devices, exclude=taken)
+        if any(key in self.workers for key in spare):
+            return  # an existing set is idle, or the placement is at SPARE_SETS
+        self._prestart([key for key in spare if key not in taken])
+
+    def launch_pending(self) -> int:
+        """Fork the workers started before the fork server was ready, now that it is
+        (without waiting); how many.  Called between tests, so their start-up overlaps
+        the tests that need no worker."""
+        if not forkserver.is_ready():
+            return 0
+        pending = [h for h in self.workers.values() if not h.started and not h.killed]
+        for handle in pending:
+            # One that cannot start now fails again when a test asks for it, in that test.
+            with contextlib.suppress(WorkerError, OSError):
+                handle.launch()
+        return len(pending)
+
+    def _idle_keys(self, devices: Sequence[str],
+                   exclude: Sequence[tuple[str, int]] = ()) -> list[tuple[str, int]]:
         """:meth:`keys`, except that where a worker is still closing its last deployment
         (:attr:`WorkerHandle.busy`) another takes its rank: up to ``SPARE_SETS`` workers
-        per rank of a placement whose workers defer their release, so one set tears a
-        deployment down while the next deployment runs on another."""
+        per rank of a placement whose workers defer their release, so some sets tear
+        deployments down while the next deployment runs on another.  Idle workers that
+        have started come first, then idle ones still starting, then slots not yet used;
+        ``exclude`` are taken already."""
         keys = self.keys(devices)
         chosen: list[tuple[str, int]] = []
         for placement, slot in keys:
@@ -536,10 +573,18 @@ class WorkerPool:
             self._widest[placement] = max(count, self._widest.get(placement, 0))
             slots = range(SPARE_SETS * self._widest[placement]) \
                 if start_method(placement) == "forkserver" else range(slot, slot + 1)
-            free = [(placement, s) for s in slots if (placement, s) not in chosen]
+            free = [(placement, s) for s in slots
+                    if (placement, s) not in chosen and (placement, s) not in exclude]
+            if not free:  # only reachable with ``exclude``: the placement is full
+                free = [(placement, s) for s in slots if (placement, s) not in chosen]
             idle = [k for k in free if k not in self.workers or not self.workers[k].busy]
+            idle.sort(key=lambda k: (k not in self.workers, not self._is_ready(k)))
             chosen.append((idle or free)[0])
         return chosen
+
+    def _is_ready(self, key: tuple[str, int]) -> bool:
+        handle = self.workers.get(key)
+        return handle is not None and handle.ready
 
     def close(self) -> None:
         handles = list(self.workers.values())
@@ -573,6 +618,11 @@ def hold() -> None:
 def release() -> None:
     """Drop one hold; the last one closes the shared pool (no orphan workers)."""
     _holders.release()
+
+
+def launch_pending() -> int:
+    """:meth:`WorkerPool.launch_pending` of the shared pool, if there is one."""
+    return _pool.launch_pending() if _pool is not None else 0
 
 
 def close_pool() -> None:
