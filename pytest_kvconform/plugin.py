@@ -8,6 +8,7 @@ no test is added.  Everything heavy is imported lazily by :class:`KvSession`.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,6 +129,32 @@ def _speculate_workers(config: pytest.Config, options: Options, session: KvSessi
     workers.KvWorkers(session.device, list(session.gpu_ids)).speculate(1)
 
 
+def _uses_workers(item: pytest.Item) -> bool:
+    return "kv_workers" in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests on KV-A's worker processes run after the rest, in their own order.
+
+    Their workers then fork and start while the in-process clauses run (see
+    :func:`pytest_runtest_logfinish`), once the fork server's imports are done, instead
+    of the first KV-A test waiting for both.  After any reordering plugin (trylast), so a
+    shuffle still shuffles within each part.
+    """
+    if config.pluginmanager.get_plugin(SESSION_PLUGIN) is None:
+        return
+    items[:] = [i for i in items if not _uses_workers(i)] + \
+        [i for i in items if _uses_workers(i)]
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    """Between tests: fork the KV-A workers waiting for the fork server, once it is ready."""
+    pool = sys.modules.get("pytest_kvconform.workers.pool")  # never imported when off
+    if pool is not None:
+        pool.launch_pending()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Keep, drop or add KV-A workers for the largest world size the selection needs."""
     plugin = session.config.pluginmanager.get_plugin(SESSION_PLUGIN)
@@ -136,7 +163,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     from pytest_kvconform.workers.pool import KvWorkers
 
     params = [getattr(getattr(item, "callspec", None), "params", {}) for item in session.items
-              if "kv_workers" in getattr(item, "fixturenames", ())]
+              if _uses_workers(item)]
     sizes = [p["kv_case"].world_size if "kv_case" in p else 1 for p in params]
     KvWorkers(plugin.device, list(plugin.gpu_ids)).settle(max(sizes, default=0))
 

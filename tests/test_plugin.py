@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import textwrap
+import types
 
 import pytest
 
+from pytest_kvconform import plugin
 from tests.conftest import needs_omni
 from tests.seeding import register_backends
 from tests.standin_backends import Good, GoodBlockStride, IntFlag
@@ -35,6 +37,23 @@ def test_off_means_free(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert "kvconform:" not in result.stdout.str()  # no header lines, no matrix
+
+
+def test_tests_on_worker_processes_run_after_the_rest() -> None:
+    """Their workers start meanwhile; the order within each part is kept."""
+    items = [types.SimpleNamespace(name=name, fixturenames=fixtures) for name, fixtures in (
+        ("a1", ["kv_workers"]), ("l1", ["kv_device"]), ("a2", ["kv_workers", "kv_device"]),
+        ("user", []))]
+
+    def run(session_plugin: object) -> list[str]:
+        config = types.SimpleNamespace(pluginmanager=types.SimpleNamespace(
+            get_plugin=lambda name: session_plugin if name == plugin.SESSION_PLUGIN else None))
+        ordered = list(items)
+        plugin.pytest_collection_modifyitems(config, ordered)  # type: ignore[arg-type]
+        return [i.name for i in ordered]
+
+    assert run(object()) == ["l1", "user", "a1", "a2"]
+    assert run(None) == ["a1", "l1", "a2", "user"]  # --kv-conformance off: untouched
 
 
 def test_the_timeout_default_is_one_number() -> None:
