@@ -29,6 +29,21 @@ _MODEL_TYPE = "kvconform"
 MODEL_SEQ_LIMIT = 4096
 
 
+def parameters(fn: Any) -> Any:
+    """``inspect.signature(fn).parameters``: feature detection of an installed signature.
+
+    Computed once per callable (and, for a class, per ``__init__``): a serial run asked ~490
+    times (every KV-A deployment and many in-process checks build an ``OmniDiffusionConfig``),
+    0.13 s of its test phase.
+    """
+    return _parameters(fn, getattr(fn, "__init__", None) if isinstance(fn, type) else None)
+
+
+@cache
+def _parameters(fn: Any, init: Any) -> Any:
+    return inspect.signature(fn).parameters
+
+
 def versions() -> dict[str, str | None]:
     return {name: installed_version(name) for name in ("torch", "vllm", "vllm-omni", "pytest")}
 
@@ -222,7 +237,7 @@ def get_kv_cache_configs(vllm_config: Any, specs: list[dict[str, Any]],
     """Upstream's planner.  Where it takes the model's global cache groups (0.33), they
     come from the same module's ``get_global_kv_cache_groups``, as the engine core's."""
     fn = get_kv_cache_configs_fn()
-    if "global_kv_cache_groups" in inspect.signature(fn).parameters:
+    if "global_kv_cache_groups" in parameters(fn):
         groups = importlib.import_module(fn.__module__).get_global_kv_cache_groups(
             vllm_config, specs)
         return fn(vllm_config, specs, available_memory, groups)
@@ -308,7 +323,7 @@ def _upstream_model_config(max_model_len: int) -> Any:
 
     wanted = {"model": str(UPSTREAM_MODEL_DIR), "tokenizer": str(UPSTREAM_MODEL_DIR),
               "skip_tokenizer_init": True, "max_model_len": max_model_len, "dtype": "float32"}
-    params = inspect.signature(ModelConfig).parameters
+    params = parameters(ModelConfig)
     return ModelConfig(**{k: v for k, v in wanted.items() if k in params})
 
 
@@ -343,7 +358,7 @@ def page_bytes(spec: Any) -> int:
 def block_pool(num_blocks: int) -> Any:
     from vllm.v1.core.block_pool import BlockPool
 
-    params = inspect.signature(BlockPool).parameters
+    params = parameters(BlockPool)
     kwargs: dict[str, Any] = {"num_gpu_blocks": num_blocks, "enable_caching": False}
     if "hash_block_size" in params:
         kwargs["hash_block_size"] = 16
@@ -376,7 +391,7 @@ def scheduler_block_pool(vllm_config: Any, scheduler_kv_cache_config: Any) -> An
         "enable_caching": False,
     }
     kwargs: dict[str, Any] = {}
-    for name, param in inspect.signature(KVCacheManager).parameters.items():
+    for name, param in parameters(KVCacheManager).items():
         if name in values:
             kwargs[name] = values[name]
         elif param.default is inspect.Parameter.empty and param.kind not in (
@@ -436,7 +451,7 @@ def init_kv_cache(vllm_config: Any, kv_cache_config: Any, device: str,
     import torch
 
     fn = init_kv_cache_fn()
-    params = inspect.signature(fn).parameters
+    params = parameters(fn)
     if kernel_block_sizes is None:
         kernel_block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
     torch_device = torch.device(device)
@@ -630,7 +645,7 @@ def production_od_config(*, attention_backend: str | None = None, world_size: in
         "tf_model_config": TransformerConfig(params={
             "max_position_embeddings": MODEL_SEQ_LIMIT, "model_type": _MODEL_TYPE}),
     }
-    params = inspect.signature(OmniDiffusionConfig).parameters
+    params = parameters(OmniDiffusionConfig)
     if "num_gpus" in params:
         kwargs["num_gpus"] = world_size
     if attention_backend is not None and "diffusion_attention_config" in params:
@@ -670,5 +685,5 @@ def paged_attention_context(*, layer: Any, query: Any, key_write: Any, value_wri
         "piecewise_plan": None, "piecewise_native_metadata": (),
         "query_token_shape": query_token_shape, "query_has_head_dims": True,
     }
-    params = inspect.signature(DiffusionPagedAttentionContext).parameters
+    params = parameters(DiffusionPagedAttentionContext)
     return DiffusionPagedAttentionContext(**{k: v for k, v in values.items() if k in params})
