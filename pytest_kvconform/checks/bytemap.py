@@ -96,22 +96,25 @@ def read_back(views: Sequence[Any], whole: Any, base: int) -> ByteMap:
         raise ValueError(f"the layers' views differ in shape: {sorted(shapes)}")
     shape = (len(layers), *shapes.pop())
     cells = math.prod(shape)
-    ids = np.arange(1, cells + 1, dtype=np.int64).reshape(shape)  # 0 marks "not written"
+    # Each cell's id (0 marks "not written"), as its 8 little-endian bytes: byte plane
+    # ``digit`` is written through the views, and read back into that byte of ``found``.
+    ids = np.arange(1, cells + 1, dtype="<i8").view(np.uint8).reshape(*shape, 8)
     digits = max(1, math.ceil(math.log2(cells + 1) / 8))
-    found = np.zeros(whole.numel(), dtype=np.int64)
+    found_bytes = np.zeros((whole.numel(), 8), dtype=np.uint8)
     for digit in range(digits):
         whole.zero_()
-        plane = ((ids >> (8 * digit)) & 0xFF).astype(np.uint8)
         for index, view in enumerate(layers):
-            source = torch.from_numpy(np.ascontiguousarray(plane[index])).to(view.device)
+            plane = np.ascontiguousarray(ids[index, ..., digit])
+            source = torch.from_numpy(plane).to(view.device)
             try:
                 view.copy_(source)
             except RuntimeError as exc:
                 if "memory location" in str(exc):
                     raise InternalOverlap(f"layer {index}'s view: {exc}") from exc
                 raise
-        found |= whole.cpu().numpy().astype(np.int64) << (8 * digit)
+        found_bytes[:, digit] = whole.cpu().numpy()
     whole.zero_()
+    found = found_bytes.view("<i8").reshape(-1)
     written = np.flatnonzero(found)
     owner = found[written] - 1
     actual = np.full(cells, -1, dtype=np.int64)
