@@ -76,9 +76,10 @@ def test_adoption_without_the_disagreement_check(tmp_path: Path) -> None:
         "test_kv_l8_worker_alias[FLASH_ATTN]": "xpassed",
     }
     assert line.startswith(
-        "not qualified (failed: KV-A4 test_kv_a4_disagreement[FLASH_ATTN-bf16_h8], KV-A4 "
-        "test_kv_a4_disagreement_seam[need_False-bf16_h8, need_True-bf16_h8], KV-L8 "
-        "test_kv_l8_worker_disagreement[FLASH_ATTN]; passes, but no fix of its known finding: "
+        "not qualified (failed: KV-L8 test_kv_l8_worker_disagreement[FLASH_ATTN], KV-A4 "
+        "test_kv_a4_disagreement[FLASH_ATTN-bf16_h8], KV-A4 "
+        "test_kv_a4_disagreement_seam[need_False-bf16_h8, need_True-bf16_h8]; passes, but no "
+        "fix of its known finding: "
         "KV-L8 test_kv_l8_worker_alias[FLASH_ATTN] (its control "
         "test_kv_l8_worker_disagreement[FLASH_ATTN] failed); left out: "), line
     reasons = {r["nodeid"].rpartition("::")[2]: r["reason"] for r in report["results"]}
