@@ -144,8 +144,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """
     if config.pluginmanager.get_plugin(SESSION_PLUGIN) is None:
         return
-    items[:] = [i for i in items if not _uses_workers(i)] + \
-        [i for i in items if _uses_workers(i)]
+    items.sort(key=_uses_workers)  # stable
 
 
 def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:

@@ -543,7 +543,7 @@ class WorkerPool:
         spare = self._idle_keys(devices, exclude=taken)
         if any(key in self.workers for key in spare):
             return  # an existing set is idle, or the placement is at SPARE_SETS
-        self._prestart([key for key in spare if key not in taken])
+        self._prestart(spare)
 
     def launch_pending(self) -> int:
         """Fork the workers started before the fork server was ready, now that it is
@@ -575,8 +575,6 @@ class WorkerPool:
                 if start_method(placement) == "forkserver" else range(slot, slot + 1)
             free = [(placement, s) for s in slots
                     if (placement, s) not in chosen and (placement, s) not in exclude]
-            if not free:  # only reachable with ``exclude``: the placement is full
-                free = [(placement, s) for s in slots if (placement, s) not in chosen]
             idle = [k for k in free if k not in self.workers or not self.workers[k].busy]
             idle.sort(key=lambda k: (k not in self.workers, not self._is_ready(k)))
             chosen.append((idle or free)[0])
