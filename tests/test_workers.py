@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def pool():
+    p = workers.WorkerPool(preload=())
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def own() -> Iterator[workers.WorkerPool]:
+    """A pool of this test's own, closed after it."""
     p = workers.WorkerPool(preload=())
     yield p
     p.close()
@@ -79,72 +88,57 @@ def test_a_command_that_raises_reports_the_worker_traceback(pool: workers.Worker
     assert handle.ping()["pid"] == handle.pid  # still serving
 
 
-def test_a_release_later_reply_is_read_before_the_next_command() -> None:
-    own = workers.WorkerPool(preload=())
-    try:
-        handle = own.get(["cpu"])[0]
-        assert handle.defers_release  # a forked CPU worker
-        handle.release_later()
-        assert handle.ping()["pid"] == handle.pid  # the ping's reply, not the release's
-        assert not handle.busy
-    finally:
-        own.close()
+def test_a_release_later_reply_is_read_before_the_next_command(own: workers.WorkerPool) -> None:
+    handle = own.get(["cpu"])[0]
+    assert handle.defers_release  # a forked CPU worker
+    handle.release_later()
+    assert handle.ping()["pid"] == handle.pid  # the ping's reply, not the release's
+    assert not handle.busy
 
 
 def test_a_worker_still_closing_its_deployment_is_not_handed_out(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        own: workers.WorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
     """While a forked worker tears a deployment down, the next deployment gets others."""
-    own = workers.WorkerPool(preload=())
-    try:
-        first = own.get(["cpu"])[0]
-        monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: h is first))
-        other = own.get(["cpu"])[0]
-        assert other is not first and other.alive
-        pair = own.get(["cpu", "cpu"])
-        assert first not in pair and len({h.pid for h in pair}) == 2
-        monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: True))
-        every = own.get(["cpu", "cpu"])  # all busy: at most SPARE_SETS per rank, wait on one
-        assert len(own.workers) <= workers.SPARE_SETS * 2 and len(set(every)) == 2
-    finally:
-        own.close()
+    first = own.get(["cpu"])[0]
+    monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: h is first))
+    other = own.get(["cpu"])[0]
+    assert other is not first and other.alive
+    pair = own.get(["cpu", "cpu"])
+    assert first not in pair and len({h.pid for h in pair}) == 2
+    monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: True))
+    every = own.get(["cpu", "cpu"])  # all busy: at most SPARE_SETS per rank, wait on one
+    assert len(own.workers) <= workers.SPARE_SETS * 2 and len(set(every)) == 2
 
 
-def test_a_spare_set_starts_while_a_deployment_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_spare_set_starts_while_a_deployment_runs(
+        own: workers.WorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The next deployment finds forked workers already started, until SPARE_SETS are."""
-    own = workers.WorkerPool(preload=())
-    try:
-        first = own.get(["cpu", "cpu"])
-        spare = [h for h in own.workers.values() if h not in first]
-        assert len(spare) == 2 and all(h.started and h.alive for h in spare)
-        assert own.get(["cpu", "cpu"]) == first  # idle and started: no third set
-        assert len(own.workers) == 4
-        monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: h in first))
-        second = own.get(["cpu", "cpu"])
-        assert set(second) == set(spare) and len(own.workers) == 6  # all others busy
-        monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: True))
-        for _ in range(3):
-            own.get(["cpu", "cpu"])
-        assert len(own.workers) == workers.SPARE_SETS * 2
-    finally:
-        own.close()
+    first = own.get(["cpu", "cpu"])
+    spare = [h for h in own.workers.values() if h not in first]
+    assert len(spare) == 2 and all(h.started and h.alive for h in spare)
+    assert own.get(["cpu", "cpu"]) == first  # idle and started: no third set
+    assert len(own.workers) == 4
+    monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: h in first))
+    second = own.get(["cpu", "cpu"])
+    assert set(second) == set(spare) and len(own.workers) == 6  # all others busy
+    monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: True))
+    for _ in range(3):
+        own.get(["cpu", "cpu"])
+    assert len(own.workers) == workers.SPARE_SETS * 2
 
 
 def test_workers_made_before_the_fork_server_was_ready_fork_between_tests(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    own = workers.WorkerPool(preload=())
-    try:
-        assert own.warm(["cpu"]) and forkserver.wait_ready(60)
-        monkeypatch.setattr(forkserver, "is_ready", lambda: False)
-        own.prestart(["cpu"])  # its worker and a spare one, waiting for the server
-        pending = list(own.workers.values())
-        assert len(pending) == 2 and not any(h.started for h in pending)
-        assert own.launch_pending() == 0
-        monkeypatch.undo()
-        assert own.launch_pending() == 2
-        assert all(h.started and h.ping()["pid"] == h.pid for h in pending)
-        assert own.launch_pending() == 0
-    finally:
-        own.close()
+        own: workers.WorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert own.warm(["cpu"]) and forkserver.wait_ready(60)
+    monkeypatch.setattr(forkserver, "is_ready", lambda: False)
+    own.prestart(["cpu"])  # its worker and a spare one, waiting for the server
+    pending = list(own.workers.values())
+    assert len(pending) == 2 and not any(h.started for h in pending)
+    assert own.launch_pending() == 0
+    monkeypatch.undo()
+    assert own.launch_pending() == 2
+    assert all(h.started and h.ping()["pid"] == h.pid for h in pending)
+    assert own.launch_pending() == 0
 
 
 def test_close_leaves_no_process_behind() -> None:
