@@ -33,6 +33,8 @@ class KvSession:
         self.config = config
         self.options = options
         self.fault: str | None = None
+        self._ahead: Any = None  # session/ahead.py's Ahead, from the first test on
+        self._positions: dict[str, int] = {}
         self.device = "cpu"
         self.gpu_ids: list[str] = []
         # What runs whose processes are gone left in $TMPDIR (SIGKILL): the controller's job.
@@ -60,6 +62,33 @@ class KvSession:
         workers.release()
         run_env.restore(self._env_added)
         restore_plugins_env(self._plugins_env)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+        """Each test: the next one's deployment starts meanwhile (``session/ahead.py``)."""
+        from pytest_kvconform.workers import pool as workers
+
+        if self._ahead is None:
+            from pytest_kvconform.session.ahead import Ahead
+
+            self._ahead = Ahead(self.device, self.gpu_ids)
+            self._positions = {it.nodeid: i for i, it in enumerate(item.session.items)}
+        position = self._positions.get(item.nodeid)
+        upcoming = item.session.items[position + 1:] if position is not None else []
+        if upcoming[:1] != ([nextitem] if nextitem is not None else []):
+            upcoming = [nextitem] if nextitem is not None else []  # xdist's own order
+        workers.running(item.nodeid)
+        try:
+            self._ahead.prepare(upcoming)
+            return (yield)
+        finally:
+            workers.running(None)
+            self._ahead.done(item)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """What was started ahead for a test that did not run is cancelled."""
+        if self._ahead is not None:
+            self._ahead.finish()
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
