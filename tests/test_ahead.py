@@ -4,6 +4,8 @@ workers go to no other test.  Real KV-A workers (the shared pool), real deployme
 
 from __future__ import annotations
 
+import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,9 +41,13 @@ def reserved() -> Iterator[Any]:
     or reserved afterwards."""
     def reserve(test: str) -> list[workers.WorkerHandle]:
         workers.pool().get(["cpu"])  # one ready set at least
-        handles = workers.pool().reserve(["cpu"], test)
-        assert handles is not None, "no idle, ready worker to reserve"
-        return handles
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until one has closed its last deployment
+            handles = workers.pool().reserve(["cpu"], test)
+            if handles is not None:
+                return handles
+            time.sleep(0.05)
+        raise AssertionError("no idle, ready worker to reserve within 30 s")
 
     yield reserve
     workers.running(None)
@@ -120,3 +126,13 @@ def test_a_seeded_fault_counts_for_the_test_that_uses_the_deployment(
     with pytest.raises(ClauseFailure, match="not stamped"):
         adoption.check_kv_a1(False, case, _as("t3"))
     assert workers.faults_since(before) == ["unstamped_configs"]
+
+
+def test_the_coming_tests_are_the_runs_order_or_xdists_next_one() -> None:
+    from pytest_kvconform.session.ahead import LOOKAHEAD, Ahead
+
+    items = [types.SimpleNamespace(nodeid=f"t{i}") for i in range(LOOKAHEAD + 5)]
+    ahead = Ahead("cpu", [], items)  # type: ignore[arg-type]
+    assert ahead.upcoming(items[0], items[1]) == items[1:LOOKAHEAD + 1]  # type: ignore[arg-type]
+    assert ahead.upcoming(items[0], items[7]) == [items[7]]  # type: ignore[arg-type]
+    assert ahead.upcoming(items[-1], None) == []  # type: ignore[arg-type]

@@ -15,8 +15,9 @@ memory), and only on idle, ready forked workers: this never waits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -62,9 +63,31 @@ class _Reserving:
 class Ahead:
     """One run's deployments started ahead (the tests looked at, once each)."""
 
-    def __init__(self, device: str, gpu_ids: Sequence[str]) -> None:
+    def __init__(self, device: str, gpu_ids: Sequence[str], items: Sequence[pytest.Item]) -> None:
         self.device, self.gpu_ids = device, list(gpu_ids)
+        self.items = items
+        self.positions = {item.nodeid: i for i, item in enumerate(items)}
         self.looked_at: set[str] = set()
+
+    @contextlib.contextmanager
+    def running(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        """Around one test: it gets what was started for it, the coming tests' deployments
+        start, and what it did not claim is cancelled after it."""
+        pool.running(item.nodeid)
+        try:
+            self.prepare(self.upcoming(item, nextitem))
+            yield
+        finally:
+            pool.running(None)
+            self.done(item)
+
+    def upcoming(self, item: pytest.Item, nextitem: pytest.Item | None) -> Sequence[pytest.Item]:
+        """The tests after ``item`` in the run's order; under xdist (whose order is its
+        own) only ``nextitem``."""
+        position = self.positions.get(item.nodeid)
+        after = [] if position is None else self.items[position + 1:position + 1 + LOOKAHEAD]
+        following = [nextitem] if nextitem is not None else []
+        return after if after[:1] == following else following
 
     def prepare(self, upcoming: Sequence[pytest.Item]) -> int:
         """At the start of a test, with the tests after it: start what the first of them

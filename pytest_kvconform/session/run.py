@@ -34,7 +34,6 @@ class KvSession:
         self.options = options
         self.fault: str | None = None
         self._ahead: Any = None  # session/ahead.py's Ahead, from the first test on
-        self._positions: dict[str, int] = {}
         self.device = "cpu"
         self.gpu_ids: list[str] = []
         # What runs whose processes are gone left in $TMPDIR (SIGKILL): the controller's job.
@@ -65,25 +64,13 @@ class KvSession:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-        """Each test: the next one's deployment starts meanwhile (``session/ahead.py``)."""
-        from pytest_kvconform.workers import pool as workers
+        """Each test: the coming ones' deployments start meanwhile (``session/ahead.py``)."""
+        from pytest_kvconform.session.ahead import Ahead
 
         if self._ahead is None:
-            from pytest_kvconform.session.ahead import Ahead
-
-            self._ahead = Ahead(self.device, self.gpu_ids)
-            self._positions = {it.nodeid: i for i, it in enumerate(item.session.items)}
-        position = self._positions.get(item.nodeid)
-        upcoming = item.session.items[position + 1:] if position is not None else []
-        if upcoming[:1] != ([nextitem] if nextitem is not None else []):
-            upcoming = [nextitem] if nextitem is not None else []  # xdist's own order
-        workers.running(item.nodeid)
-        try:
-            self._ahead.prepare(upcoming)
+            self._ahead = Ahead(self.device, self.gpu_ids, item.session.items)
+        with self._ahead.running(item, nextitem):
             return (yield)
-        finally:
-            workers.running(None)
-            self._ahead.done(item)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """What was started ahead for a test that did not run is cancelled."""
