@@ -399,10 +399,9 @@ class WorkerHandle:
 
     @property
     def busy(self) -> bool:
-        """Still closing a deployment released with :meth:`release_later`, or running one
-        started ahead for another test (:meth:`WorkerPool.reserve`)."""
+        """Still closing a deployment released with :meth:`release_later`."""
         self._settle(block=False)
-        return bool(self._owed) or self.reserved_for is not None
+        return bool(self._owed)
 
     def _settle(self, *, block: bool) -> None:
         """Read the replies owed to :meth:`release_later` (those already there, or all).
