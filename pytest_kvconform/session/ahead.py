@@ -106,14 +106,13 @@ class Ahead:
         return started
 
     def _start(self, item: pytest.Item) -> bool:
-        found = _check_and_sources(item)
+        found = _check_and_params(item)
         if found is None or item.get_closest_marker("skip") is not None:
             return False
-        check, sources = found
+        check, params = found
         reserving = _Reserving(self.device, self.gpu_ids, item.nodeid)
         try:
-            sources = Sources(who=sources.who, layout=sources.layout, case=sources.case,
-                              device=self.device, kv_workers=reserving)
+            sources = Sources.of(params, device=self.device, kv_workers=reserving)
             plan = adoption.planned(check.resolve(), *arguments(check.args, sources))
             if plan is not None and plan.start_ahead(item.nodeid):
                 return True
@@ -141,8 +140,8 @@ def _checks() -> dict[str, tuple[clauses.Clause, clauses.Check]]:
     return clauses.check_names()
 
 
-def _check_and_sources(item: pytest.Item) -> tuple[Any, Sources] | None:
-    """The clause-table check ``item`` runs and its sources, if it runs on KV-A's workers."""
+def _check_and_params(item: pytest.Item) -> tuple[Any, dict[str, Any]] | None:
+    """The clause-table check ``item`` runs and its parameters, if it runs on KV-A's workers."""
     entry = _checks().get(getattr(item, "originalname", ""))
     params = getattr(getattr(item, "callspec", None), "params", None)
     if entry is None or params is None:
@@ -150,5 +149,4 @@ def _check_and_sources(item: pytest.Item) -> tuple[Any, Sources] | None:
     _, check = entry
     if not check.needs_workers or "workers_factory" in check.args:
         return None
-    who = params["kv_need"] if "kv_need" in params else params.get("kv_backend")
-    return check, Sources(who=who, layout=params.get("kv_layout"), case=params.get("kv_case"))
+    return check, params
