@@ -55,6 +55,10 @@ PRELOAD: tuple[str, ...] = (
     "vllm_omni.diffusion.worker.diffusion_worker",  # where it imports (not on every host)
     "vllm.distributed.device_communicators.shm_broadcast",
     "vllm.v1.worker.gpu.attn_utils",
+    # Imported by production's model loading and engine in every deployment: once here
+    # instead of at each forked worker's first deployment (~17 ms each, measured).
+    "vllm_omni.diffusion.model_loader.host_weights",
+    "vllm_omni.diffusion.diffusion_engine",
     LOAD_PLUGINS,
 )
 STARTUP_TIMEOUT_S = 300.0
