@@ -45,6 +45,13 @@ harness does exactly this, and nothing elsewhere:
   same ``PipeExecutor``, which then also stands in for the worker's all-gather (every
   rank's answer, in rank order).
 
+- **starting**, on CPU (forked KV-A workers): a deployment may be started while the test
+  before it runs (``session/ahead.py``): its check is run up to its first deployment to
+  learn what it deploys, and exactly that (production's inputs, the same workers, the same
+  seeded fault) is started on idle workers set aside for it.  When the check asks for it
+  it gets it, with nothing production does changed but when it started; a check that asks
+  for anything else cancels it and gets its own.  At most two wait at once.
+
 - **closing**, on CPU (KV-A workers forked from the fork server): each deployment is closed
   by production's own shutdown (the executor's, or a rank's worker's:
   ``child._WorkerState.release``), but the test process does not wait for it: the

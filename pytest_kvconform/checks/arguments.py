@@ -8,7 +8,7 @@ called alike from either.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,15 @@ class Sources:
     device: str = "cpu"
     kv_workers: Any = None
     memory_fraction: float = 0.0
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any], **fields: Any) -> Sources:
+        """From a suite test's fixture values (``kv_need`` else ``kv_backend``, ``kv_layout``,
+        ``kv_case``, ``kv_device``, ``kv_workers``); ``fields`` set the rest or override."""
+        who = values["kv_need"] if "kv_need" in values else values.get("kv_backend")
+        return cls(**{"who": who, "layout": values.get("kv_layout"),
+                      "case": values.get("kv_case"), "device": values.get("kv_device", "cpu"),
+                      "kv_workers": values.get("kv_workers"), **fields})
 
 
 def argument(name: str, sources: Sources) -> Any:

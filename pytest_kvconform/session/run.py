@@ -33,6 +33,7 @@ class KvSession:
         self.config = config
         self.options = options
         self.fault: str | None = None
+        self._ahead: Any = None  # session/ahead.py's Ahead, from the first test on
         self.device = "cpu"
         self.gpu_ids: list[str] = []
         # What runs whose processes are gone left in $TMPDIR (SIGKILL): the controller's job.
@@ -60,6 +61,21 @@ class KvSession:
         workers.release()
         run_env.restore(self._env_added)
         restore_plugins_env(self._plugins_env)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+        """Each test: the coming ones' deployments start meanwhile (``session/ahead.py``)."""
+        from pytest_kvconform.session.ahead import Ahead
+
+        if self._ahead is None:
+            self._ahead = Ahead(self.device, self.gpu_ids, item.session.items)
+        with self._ahead.running(item, nextitem):
+            return (yield)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """What was started ahead for a test that did not run is cancelled."""
+        if self._ahead is not None:
+            self._ahead.finish()
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:

@@ -37,10 +37,8 @@ def _sources(request: pytest.FixtureRequest, fixtures: dict[str, Any]) -> Source
     """The check's arguments' sources, from the test's fixtures."""
     from pytest_kvconform.plugin import kv_session
 
-    who = fixtures["kv_need"] if "kv_need" in fixtures else fixtures.get("kv_backend")
-    return Sources(who=who, layout=fixtures.get("kv_layout"), case=fixtures.get("kv_case"),
-                   device=fixtures.get("kv_device", "cpu"), kv_workers=fixtures.get("kv_workers"),
-                   memory_fraction=kv_session(request.config).options.memory_fraction)
+    return Sources.of(fixtures,
+                      memory_fraction=kv_session(request.config).options.memory_fraction)
 
 
 def generated_test(row: clauses.Clause, check: clauses.Check) -> Callable[..., None]:
