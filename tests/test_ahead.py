@@ -136,3 +136,24 @@ def test_the_coming_tests_are_the_runs_order_or_xdists_next_one() -> None:
     assert ahead.upcoming(items[0], items[1]) == items[1:LOOKAHEAD + 1]  # type: ignore[arg-type]
     assert ahead.upcoming(items[0], items[7]) == [items[7]]  # type: ignore[arg-type]
     assert ahead.upcoming(items[-1], None) == []  # type: ignore[arg-type]
+
+
+def test_each_deployment_meets_on_the_port_the_harness_handed_it(case: Case) -> None:
+    """Two deployments in turn on one worker: each rank met on a port of the harness's own
+    (below the kernel's ephemeral range), the second on its own, not the one the first
+    left in the worker's environment (production reads ``$MASTER_PORT`` first)."""
+    from pytest_kvconform.adapters import around_worker
+
+    handles = workers.pool().get(["cpu"])
+    plan = adoption.planned(adoption.check_kv_a1, False, case, handles)
+    assert plan is not None and plan.spec.topology == "uni"
+    met = []
+    for _ in range(2):
+        deployed = deployment.start(plan.spec, handles, control=plan.control, prepin=plan.prepin)
+        try:
+            met.append([rank["master_port"] for rank in deployed.report.ranks])
+        finally:
+            deployed.close()
+    ports = around_worker.rendezvous_ports()
+    assert ports is not None and all(port in ports for ranks in met for port in ranks), met
+    assert met[0] != met[1], met

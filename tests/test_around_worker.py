@@ -189,3 +189,79 @@ def test_a_rank_above_0_waits_for_rank_0s_rendezvous_store_and_no_longer(
     around_worker.await_rendezvous(SimpleNamespace(master_port=port), 1)  # nothing listens
     around_worker.await_rendezvous(SimpleNamespace(master_port=None), 1)
     around_worker.await_rendezvous(SimpleNamespace(master_port=port), 0)  # rank 0 serves
+
+
+# --- the rendezvous port ------------------------------------------------------------------
+
+
+def _ephemeral_low() -> int:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        return int(f.read().split()[0])
+
+
+def test_the_rendezvous_ports_lie_below_the_kernels_ephemeral_range() -> None:
+    """Where no other socket's port can land: 200 sockets the kernel gives a port to (as
+    a starting deployment's do) take none of them."""
+    import socket
+
+    ports = around_worker.rendezvous_ports({})
+    assert ports is not None and 1024 <= ports.start and ports.stop <= _ephemeral_low()
+    sockets = [socket.socket() for _ in range(200)]
+    try:
+        for s in sockets:
+            s.bind(("", 0))
+        assert not [s.getsockname()[1] for s in sockets if s.getsockname()[1] in ports]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_each_xdist_worker_has_its_own_share_of_them() -> None:
+    whole = around_worker.rendezvous_ports({})
+    shares = [around_worker.rendezvous_ports({"PYTEST_XDIST_WORKER": f"gw{i}",
+                                              "PYTEST_XDIST_WORKER_COUNT": "4"})
+              for i in range(4)]
+    assert whole is not None and all(share is not None for share in shares)
+    seen: set[int] = set()
+    for share in shares:
+        assert share is not None and set(share) <= set(whole) and not set(share) & seen
+        seen |= set(share)
+
+
+def test_with_master_port_set_production_picks_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Production reads ``$MASTER_PORT`` before a config's own: the harness hands none
+    (and then nothing starts ahead: ``deployment.start_ahead``)."""
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert around_worker.rendezvous_ports() is None and around_worker.rendezvous_port() is None
+
+
+def test_each_deployment_gets_the_next_free_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    ports = around_worker.rendezvous_ports()
+    assert ports is not None
+    monkeypatch.setattr(around_worker._Cursor, "next", 0)
+    first = around_worker.rendezvous_port()
+    with socket.socket() as taken:  # the next one is in use: skipped
+        try:
+            taken.bind(("", ports[1]))
+            taken.listen()
+        except OSError:
+            pass  # in use already
+        assert first == ports[0] and around_worker.rendezvous_port() == ports[2]
+
+
+def test_a_worker_that_ran_a_deployment_gets_the_rank_variables_as_at_its_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What production's ``init_device`` set in the process is undone: its
+    ``$MASTER_PORT`` would otherwise override the next config's own port."""
+    import os
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "before")
+    at_start = {name: os.environ.get(name) for name in around_worker.RANK_ENV}
+    monkeypatch.setenv("MASTER_PORT", "31001")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    around_worker.fresh_rank_env(at_start)
+    assert "MASTER_PORT" not in os.environ and os.environ["MASTER_ADDR"] == "before"

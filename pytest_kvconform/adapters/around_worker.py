@@ -50,7 +50,14 @@ harness does exactly this, and nothing elsewhere:
   learn what it deploys, and exactly that (production's inputs, the same workers, the same
   seeded fault) is started on idle workers set aside for it.  When the check asks for it
   it gets it, with nothing production does changed but when it started; a check that asks
-  for anything else cancels it and gets its own.  At most two wait at once.
+  for anything else cancels it and gets its own.  At most two wait at once.  So
+  deployments start at once, and each is handed its ``master_port``
+  (:func:`rendezvous_port`, below the kernel's ephemeral range, where no other socket's
+  port can land between the config's build and rank 0's bind); production's own choice
+  is an ephemeral port.  Where ``$MASTER_PORT`` is set production uses it for every
+  deployment, so nothing starts ahead.  A KV-A worker that ran a deployment gets the
+  variables production's ``init_device`` set as they were at its start
+  (:func:`fresh_rank_env`), as in a fresh process.
 
 - **closing**, on CPU (KV-A workers forked from the fork server): each deployment is closed
   by production's own shutdown (the executor's, or a rank's worker's:
@@ -71,6 +78,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import os
+import random
 import socket
 import time
 import traceback
@@ -185,6 +194,87 @@ def await_rendezvous(od_config: Any, rank: int) -> None:
                 return
         except OSError:
             time.sleep(0.002)
+
+
+# --- placement: the rendezvous port -----------------------------------------------------
+
+# The variables production's ``DiffusionWorker.init_device`` sets in its process.
+RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE")
+_EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+_PORTS = 4096  # the ports just below the ephemeral range, shared by a run's xdist workers
+
+
+class _Cursor:
+    next: int | None = None
+
+
+def rendezvous_ports(environ: dict[str, str] | None = None) -> range | None:
+    """The ports this process hands its deployments as ``master_port``, or None where
+    production picks its own (``$MASTER_PORT`` is set, which production reads first; or
+    the host does not say which ports the kernel hands out).
+
+    Production picks an OS-assigned ephemeral port when it builds the config and binds it
+    only when rank 0 starts; any other socket's ephemeral port can take it in between (a
+    deployment starting meanwhile: ``DistNetworkError EADDRINUSE``).  The kernel never
+    assigns a port below its ephemeral range, so these are taken from there, each xdist
+    worker its own share.
+    """
+    env = os.environ if environ is None else environ
+    if "MASTER_PORT" in env:
+        return None
+    try:
+        with open(_EPHEMERAL) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    first = max(1024, low - _PORTS)
+    worker = env.get("PYTEST_XDIST_WORKER", "")
+    count = int(env.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    share = (low - first) // max(count, 1)
+    if share < 8 or index >= count:
+        return None
+    return range(first + index * share, first + (index + 1) * share)
+
+
+def rendezvous_port() -> int | None:
+    """The ``master_port`` for the next deployment: the next free port of
+    :func:`rendezvous_ports`, from a random start (two runs on one host part ways), or None
+    (production picks its own; deployments then never start at once)."""
+    ports = rendezvous_ports()
+    if ports is None:
+        return None
+    if _Cursor.next is None:
+        _Cursor.next = random.randrange(len(ports))
+    for _ in range(len(ports)):
+        port = ports[_Cursor.next % len(ports)]
+        _Cursor.next += 1
+        if _bindable(port):
+            return port
+    return None
+
+
+def _bindable(port: int) -> bool:
+    """As production's own check (``is_port_available``): bindable with ``SO_REUSEADDR``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def fresh_rank_env(at_start: dict[str, str | None]) -> None:
+    """Before a deployment in a KV-A worker that ran one: :data:`RANK_ENV` as at the
+    worker's start, as in a fresh process.  The last deployment's ``init_device`` left its
+    values, and production reads ``$MASTER_PORT`` before a config's own ``master_port``."""
+    for name in RANK_ENV:
+        value = at_start.get(name)
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 # --- the seam at the executor level -----------------------------------------------------

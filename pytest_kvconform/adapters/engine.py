@@ -152,6 +152,9 @@ class EngineSpec:
     device: str = "cpu"
     need: bool | None = None  # handed to the control plane's seam; None: production as is
     memory: int | None = None  # KV bytes per rank; None: exactly the case's pages
+    # The rendezvous port the harness hands it (around_worker.rendezvous_port); None:
+    # production picks one.  Not what makes two deployments the same.
+    master_port: int | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -192,7 +195,7 @@ def od_config(spec: EngineSpec, selected: str, *, executor_backend: str | None) 
         return compat.production_od_config(
             attention_backend=selected, world_size=spec.world_size,
             extra={"dtype": getattr(torch, spec.case.dtype), "enforce_eager": True,
-                   "kv_cache_memory_bytes": memory,
+                   "kv_cache_memory_bytes": memory, "master_port": spec.master_port,
                    "distributed_executor_backend": executor_backend,
                    "worker_extension_cls": worker_extension.EXTENSION,
                    "custom_pipeline_args": {

@@ -104,6 +104,8 @@ class Observation:
         layers = self.kvconform_layer_backends()
         report: dict[str, Any] = {
             **process_identity(), "rank": self.rank,
+            # Where production's ranks met (its config's, set in the process by init_device).
+            "master_port": getattr(getattr(self, "od_config", None), "master_port", None),
             "received": None if config is None else config_summary(config),
             "layout_after": self.vllm_config.cache_config.kv_cache_layout,
             "layer_backends": layers, "views": {}, "storage_nbytes": None,

@@ -26,10 +26,10 @@ dropped and the workers release it), so a wrong guess costs time, never a result
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from pytest_kvconform.adapters import engine, executor_wire, seeds
+from pytest_kvconform.adapters import around_worker, engine, executor_wire, seeds
 from pytest_kvconform.adapters.engine import EngineReport, EngineSpec
 from pytest_kvconform.contract.outcomes import Unsupported
 from pytest_kvconform.workers import pool
@@ -139,6 +139,7 @@ def start(spec: EngineSpec, handles: Sequence[WorkerHandle], *, control: str | N
     ahead = _claim(_Request(spec, tuple(handles), control, prepin, seeds.active()))
     if ahead is not None:
         return ahead.finish()
+    spec = replace(spec, master_port=around_worker.rendezvous_port())
     visible = _route(spec, handles)
     if visible is _PARENT:
         return ParentDeployment(handles, spec, control=control, prepin=prepin)
@@ -218,7 +219,13 @@ def ahead_counts() -> dict[str, int]:
 def start_ahead(spec: EngineSpec, handles: Sequence[WorkerHandle], test: str, *,
                 control: str | None = None, prepin: str | None = None) -> bool:
     """Send what :func:`start` would send for this deployment, without waiting: the
-    workers start it while this process goes on.  False where nothing was started."""
+    workers start it while this process goes on.  False where nothing was started:
+    without a rendezvous port of the harness's own, deployments never start at once
+    (``around_worker.rendezvous_port``)."""
+    port = around_worker.rendezvous_port()
+    if port is None:
+        return False
+    spec = replace(spec, master_port=port)
     request = _Request(spec, tuple(handles), control, prepin, seeds.active())
     try:
         visible = _route(spec, handles)
