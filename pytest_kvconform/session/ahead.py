@@ -75,11 +75,38 @@ class Ahead:
         start, and what it did not claim is cancelled after it."""
         pool.running(item.nodeid)
         try:
-            self.prepare(self.upcoming(item, nextitem))
+            if self.own(item):
+                self.prepare(self.upcoming(item, nextitem))
             yield
         finally:
             pool.running(None)
             self.done(item)
+
+    def own(self, item: pytest.Item) -> bool:
+        """The running test's workers first: those it takes without anything started
+        ahead (the idle set ``WorkerPool.get`` would pick now), set aside for it, so the
+        coming tests' deployments never take them.  False where it needs workers and none
+        are idle and ready now: then nothing starts ahead of it, and it takes its own as
+        ever (the tests take their workers in their order)."""
+        if "kv_workers" not in getattr(item, "fixturenames", ()):
+            return True  # runs in this process
+        if item.nodeid in self.looked_at:
+            return True  # started ahead for it, or it deploys nothing first
+        found = _check_and_params(item)
+        if found is None:
+            return False  # on the workers its own way (KV-A6)
+        check, params = found
+        reserving = _Reserving(self.device, self.gpu_ids, item.nodeid)
+        try:
+            sources = Sources.of(params, device=self.device, kv_workers=reserving)
+            plan = adoption.planned(check.resolve(), *arguments(check.args, sources))
+        except _NotNow:
+            return False
+        except Exception:  # the test itself reports it
+            plan = None
+        if plan is None:
+            pool.pool().unreserve(reserving.handles)
+        return True
 
     def upcoming(self, item: pytest.Item, nextitem: pytest.Item | None) -> Sequence[pytest.Item]:
         """The tests after ``item`` in the run's order; under xdist (whose order is its
@@ -126,8 +153,10 @@ class Ahead:
 
     @staticmethod
     def done(item: pytest.Item) -> None:
-        """After a test: what was started for it and not claimed is cancelled."""
+        """After a test: what was started or set aside for it and not claimed is
+        cancelled."""
         deployment.cancel_ahead(item.nodeid)
+        pool.unreserve_test(item.nodeid)
 
     @staticmethod
     def finish() -> None:

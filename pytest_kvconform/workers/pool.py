@@ -578,6 +578,10 @@ class WorkerPool:
                 self._reservations.pop(handle.reserved_for, None)
             handle.reserved_for = None
 
+    def unreserve_test(self, test: str) -> None:
+        """End ``test``'s reservation, if it has one."""
+        self.unreserve(self._reservations.get(test, []))
+
     def _reserved(self, test: str | None, devices: Sequence[str]) -> list[WorkerHandle]:
         """``test``'s reserved workers, in rank order, if they serve ``devices``."""
         handles = self._reservations.get(test or "", [])
@@ -693,6 +697,12 @@ def _ready_now(handle: WorkerHandle) -> bool:
         with contextlib.suppress(WorkerError):
             handle.wait_ready()
     return handle.ready
+
+
+def unreserve_test(test: str) -> None:
+    """:meth:`WorkerPool.unreserve_test` of the shared pool, if there is one."""
+    if _pool is not None:
+        _pool.unreserve_test(test)
 
 
 def launch_pending() -> int:
