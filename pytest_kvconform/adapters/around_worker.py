@@ -206,6 +206,7 @@ _PORTS = 4096  # the ports just below the ephemeral range, shared by a run's xdi
 
 class _Cursor:
     next: int | None = None
+    rng = random.Random()  # its own: other plugins reseed the global one per test
 
 
 def rendezvous_ports(environ: dict[str, str] | None = None) -> range | None:
@@ -245,7 +246,7 @@ def rendezvous_port() -> int | None:
     if ports is None:
         return None
     if _Cursor.next is None:
-        _Cursor.next = random.randrange(len(ports))
+        _Cursor.next = _Cursor.rng.randrange(len(ports))
     for _ in range(len(ports)):
         port = ports[_Cursor.next % len(ports)]
         _Cursor.next += 1

@@ -9,6 +9,10 @@ test (``WorkerPool.reserve``).  When the check asks for exactly that deployment 
 it started (``workers.deployment.start``); a check that asks for anything else cancels
 it, and so does the end of the test it was for: a wrong plan costs time, never a result.
 
+The running test's own workers are set aside first (:meth:`Ahead.own`), so the tests
+take their workers in their order, as without this.  Deployments then start at once:
+each is handed a rendezvous port of the harness's own (``adapters/around_worker.py``).
+
 Only clause-table checks, not KV-A6 (which sizes its allocation from a worker's free
 memory), and only on idle, ready forked workers: this never waits.
 """
