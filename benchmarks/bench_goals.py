@@ -8,6 +8,9 @@ Run in the default environment:  python benchmarks/bench_goals.py [--label L] [-
   ``floor_quiet``: the same with ``HUMMING_DISABLE_PARALLEL_BUILD=1`` (that import starts two
   background kernel builds, each a Python process of its own, which the suite turns off);
 - ``serial`` / ``xdist2``: the full ``pytest --kv-conformance`` suite, serial and ``-n 2``;
+  ``serial_baseline``: with ``--baseline DIR``, the serial suite again with the plugin
+  another checkout holds (say, main), in the same rounds, for a before / after under the
+  same load;
 - ``worker_start``: one pooled KV-A worker, from nothing to ready (``WorkerPool.get``: a
   spawned worker's imports, or the fork server's imports and a fork); ``worker_next``: a
   second one once the first is ready (another spawn's imports, or just a fork);
@@ -111,6 +114,9 @@ def main() -> int:
                         help="rounds of floor / floor_quiet / serial / xdist2, alternated; "
                         "the goals use each one's median")
     parser.add_argument("--skip", action="append", default=[], help="skip a measurement")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="a checkout of this repository whose plugin each round also "
+                        "runs the serial suite with (serial_baseline)")
     parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("RESULTS.md")))
     args = parser.parse_args()
     py = sys.executable
@@ -129,17 +135,27 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         rounds: dict[str, list[float]] = {"floor": [], "floor_quiet": [], "serial": [],
-                                          "xdist2": []}
+                                          "xdist2": [], "serial_baseline": []}
+        base = os.path.abspath(args.baseline) if args.baseline else None
         for i in range(args.suite_repeat):
             tag = f" #{i + 1}" if args.suite_repeat > 1 else ""
             rounds["floor"].append(measure("floor" + tag, [py, "-c", FLOOR], tmp))
             rounds["floor_quiet"].append(measure("floor_quiet" + tag, [py, "-c", FLOOR], tmp,
                                                  HUMMING_DISABLE_PARALLEL_BUILD="1"))
-            rounds["serial"].append(measure("serial" + tag, suite, tmp))
+            serials: list[tuple[str, dict[str, str]]] = [("serial", {})]
+            if base is not None:  # each first in every other round
+                serials.insert(i % 2, ("serial_baseline", {"PYTHONPATH": os.pathsep.join(
+                    (base, os.path.join(base, "benchmarks")))}))
+            for name, extra in serials:
+                rounds[name].append(measure(name + tag, suite, tmp, **extra))
             rounds["xdist2"].append(measure("xdist2" + tag, [*suite, "-n", "2"], tmp))
-        floor, quiet, serial, xdist2 = (statistics.median(rounds[k]) for k in rounds)
+        floor, quiet, serial, xdist2 = (statistics.median(rounds[k]) for k in
+                                        ("floor", "floor_quiet", "serial", "xdist2"))
+        baseline = statistics.median(rounds["serial_baseline"]) if base else float("nan")
         if args.suite_repeat > 1:
             for name, values in rounds.items():
+                if not values:
+                    continue
                 rows.append((f"{name} (median)", statistics.median(values), 0, 0, load(),
                              " / ".join(f"{v:.2f}" for v in values)))
         start_s = float("nan")
@@ -181,6 +197,7 @@ def main() -> int:
     goals = [
         ("serial / import floor", serial / floor, "<= 1.6"),
         ("serial / quiet import floor", serial / quiet, "(<= 1.6)"),
+        (f"baseline serial / import floor ({args.baseline})", baseline / floor, "(<= 1.6)"),
         ("-n 2 / serial", xdist2 / serial, "<= 1.0"),
         ("extra adoption case / worker start", per_case / start_s, "<= 0.02"),
         ("plugin off / -p no:kvconform", off / none, "<= 1.02"),
