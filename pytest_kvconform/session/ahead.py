@@ -96,20 +96,15 @@ class Ahead:
             return True  # runs in this process
         if item.nodeid in self.looked_at:
             return True  # started ahead for it, or it deploys nothing first
-        found = _check_and_params(item)
-        if found is None:
-            return False  # on the workers its own way (KV-A6)
-        check, params = found
-        reserving = _Reserving(self.device, self.gpu_ids, item.nodeid)
         try:
-            sources = Sources.of(params, device=self.device, kv_workers=reserving)
-            plan = adoption.planned(check.resolve(), *arguments(check.args, sources))
+            planned = self._plan(item)
         except _NotNow:
             return False
-        except Exception:  # the test itself reports it
-            plan = None
+        if planned is None:
+            return False  # on the workers its own way (KV-A6)
+        plan, handles = planned
         if plan is None:
-            pool.pool().unreserve(reserving.handles)
+            pool.pool().unreserve(handles)
         return True
 
     def upcoming(self, item: pytest.Item, nextitem: pytest.Item | None) -> Sequence[pytest.Item]:
@@ -137,23 +132,37 @@ class Ahead:
         return started
 
     def _start(self, item: pytest.Item) -> bool:
-        found = _check_and_params(item)
-        if found is None or item.get_closest_marker("skip") is not None:
+        if item.get_closest_marker("skip") is not None:
             return False
+        planned = self._plan(item)
+        if planned is None:
+            return False
+        plan, handles = planned
+        with contextlib.suppress(Exception):  # only a head start is lost; the test runs as ever
+            if plan is not None and plan.start_ahead(item.nodeid):
+                return True
+        pool.pool().unreserve(handles)
+        return False
+
+    def _plan(self, item: pytest.Item) -> tuple[Any, list[pool.WorkerHandle]] | None:
+        """``item``'s first deployment, planned on workers set aside for it: (the plan, or
+        None where its check would skip, fail or deploy nothing first; those workers).
+        None where it runs no clause-table check on KV-A's workers; :class:`_NotNow`,
+        with nothing set aside, where no idle workers are ready now."""
+        found = _check_and_params(item)
+        if found is None:
+            return None
         check, params = found
         reserving = _Reserving(self.device, self.gpu_ids, item.nodeid)
         try:
             sources = Sources.of(params, device=self.device, kv_workers=reserving)
             plan = adoption.planned(check.resolve(), *arguments(check.args, sources))
-            if plan is not None and plan.start_ahead(item.nodeid):
-                return True
         except _NotNow:
             pool.pool().unreserve(reserving.handles)
             raise
-        except Exception:  # only a head start is lost; the test runs as ever
-            pass
-        pool.pool().unreserve(reserving.handles)
-        return False
+        except Exception:  # the test itself reports it
+            plan = None
+        return plan, reserving.handles
 
     @staticmethod
     def done(item: pytest.Item) -> None:
