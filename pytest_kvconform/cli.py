@@ -155,7 +155,8 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
     from pytest_kvconform.session.matrix import MatrixUsageError, ToxError, run_matrix
 
     known: dict[str, Any] = {} if args.xfails is None else \
-        {"xfails": None if args.xfails == "none" else Path(args.xfails).resolve()}
+        {"xfails": args.xfails if args.xfails in ("auto", "none") else
+         Path(args.xfails).resolve()}
     try:
         matrix = run_matrix(root=Path(args.root).resolve(), out=Path(args.out).resolve(),
                             legs=args.leg, tox=args.tox.split(), timeout=args.timeout,
@@ -349,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeatable; default: every leg)")
     matrix.add_argument("--root", default=".", help="the clone holding tox.ini (default: .)")
     matrix.add_argument("--tox", default="tox", help="the tox command (default: tox)")
-    matrix.add_argument("--xfails", help="known findings file for every leg (default: the "
-                        "shipped pytest_kvconform/known/vllm_omni_0_30.toml; 'none' for none)")
+    matrix.add_argument("--xfails", help="known findings for every leg, as --kv-xfails takes "
+                        "them (default: auto, the file shipped for each leg's stack; 'none' for "
+                        "none)")
     matrix.add_argument("--timeout", type=float, help="seconds each tox step may take")
     matrix.set_defaults(func=_cmd_matrix)  # takes pytest's arguments too: see main()
 

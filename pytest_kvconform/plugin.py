@@ -21,8 +21,11 @@ from pytest_kvconform.session.options import Options, add_options
 if TYPE_CHECKING:
     from pytest_kvconform.session.run import KvSession
 
-SUITE_DIR = Path(__file__).parent / "suite"
+SUITE_DIR = Path(__file__).resolve().parent / "suite"
 SESSION_PLUGIN = "kvconform-session"
+# The suite's test ids read as a repository's own, wherever the package is installed:
+# ``kvconform/test_layout.py::test_kv_l1[FLASH_ATTN]``, never a site-packages path.
+SUITE_ID_PREFIX = "kvconform"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -60,7 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
                             "test is parametrised with (predicate(case) -> bool)")
     _terminate_as_interrupt(config)
     try:
-        xfails = _startup_checks(options)  # before anything heavy is imported
+        known = _startup_checks(options)  # before anything heavy is imported
         _add_suite(config)
         if hasattr(config, "workerinput"):  # an xdist worker never outlives its controller
             from pytest_kvconform.workers.pool import exit_with_parent
@@ -68,7 +71,7 @@ def pytest_configure(config: pytest.Config) -> None:
             exit_with_parent()
         from pytest_kvconform.session.run import KvSession
 
-        session = KvSession(config, options, xfails=xfails)
+        session = KvSession(config, options, known=known)
     except KeyboardInterrupt as exc:
         _interrupted_before_results(config, options, type(exc).__name__)
         raise
@@ -98,7 +101,7 @@ def _interrupted_before_results(config: pytest.Config, options: Options,
     from pytest_kvconform.session.results import KvResults
     from pytest_kvconform.session.selection import KvSelection
 
-    results = KvResults(config, options, KvSelection(config, options, "cpu", []))
+    results = KvResults(config, options, KvSelection(config, options, "cpu", None))
     results.interruption = f"{what} during start-up, before any test was collected"
     results.conclude_interrupted_start()
 
@@ -127,6 +130,22 @@ def _speculate_workers(config: pytest.Config, options: Options, session: KvSessi
         return
     # One worker: the selection may need no more (a second is started after collection).
     workers.KvWorkers(session.device, list(session.gpu_ids)).speculate(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path: Path,
+                                parent: pytest.Collector) -> pytest.Module | None:
+    """The suite's modules get ids of their own (``kvconform/test_layout.py``).
+
+    pytest derives a file's id from its path relative to the rootdir, so a suite installed
+    in site-packages would read ``../lib/python3.11/site-packages/...``; ``-k``,
+    ``--deselect``, ``--lf`` and JUnit XML all key on the id, and the path stays real
+    (failures point at the installed file).
+    """
+    if module_path.parent != SUITE_DIR:
+        return None
+    return pytest.Module.from_parent(parent, path=module_path,
+                                     nodeid=f"{SUITE_ID_PREFIX}/{module_path.name}")
 
 
 def _uses_workers(item: pytest.Item) -> bool:
@@ -167,9 +186,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     KvWorkers(plugin.device, list(plugin.gpu_ids)).settle(max(sizes, default=0))
 
 
-def _startup_checks(options: Options) -> list[Any]:
-    """Output paths, the case files and the xfails file, checked before discovery imports
-    vLLM: a bad or oversized case is refused within a second, before any worker starts."""
+def _startup_checks(options: Options) -> Any:
+    """Output paths, the case files and the known findings (``KnownFindings``), checked
+    before discovery imports vLLM: a bad or oversized case is refused within a second,
+    before any worker starts."""
     from pytest_kvconform.contract import cases
     from pytest_kvconform.session import startup
 
@@ -182,10 +202,8 @@ def _startup_checks(options: Options) -> list[Any]:
         cases.load_cases(options.cases)  # loaded again (and kept) when the session starts
     except cases.CaseFileError as exc:
         raise pytest.UsageError(f"--kv-cases: {exc}") from None
-    if options.xfails is None:
-        return []
     try:
-        return startup.load_xfails(options.xfails)
+        return startup.known_findings(options.xfails)
     except startup.StartupError as exc:
         raise pytest.UsageError(f"--kv-xfails: {exc}") from None
 

@@ -4,8 +4,8 @@ and a combined one.
 The legs are tox.ini's ``matrix`` label, one environment per supported vLLM minor with the
 vllm-omni it supports where one does.  They run one after the other: the suite keeps both
 cores of a small host busy, so two legs at once would only contend.  Each leg runs the
-release qualification (``--kv-strict``) with the shipped known findings, whose entries say
-which versions they apply to.  The combined report is rewritten after every leg, so an
+release qualification (``--kv-strict``) with the known findings shipped for its stack
+(``--kv-xfails auto``).  The combined report is rewritten after every leg, so an
 interrupted matrix still leaves what finished, marked interrupted.
 """
 
@@ -30,16 +30,17 @@ from pytest_kvconform.workers.lifetime import terminate_as_interrupt
 
 LABEL = "matrix"
 COMBINED = "matrix.json"
-KNOWN_FINDINGS = Path(__file__).resolve().parents[1] / "known" / "vllm_omni_0_30.toml"
 
 
 class MatrixUsageError(ValueError):
     """A leg name tox.ini does not know, a bad path: one line naming it."""
 
 
-def suite_args(report: Path, xfails: Path | None, extra: Sequence[str] = ()) -> list[str]:
-    """The release qualification run of one leg (README's main job), writing ``report``."""
-    known = ["--kv-xfails", str(xfails)] if xfails is not None else []
+def suite_args(report: Path, xfails: Path | str = "auto", extra: Sequence[str] = ()
+               ) -> list[str]:
+    """The release qualification run of one leg (README's main job), writing ``report``;
+    ``xfails`` as ``--kv-xfails`` takes it (auto: the file shipped for the leg's stack)."""
+    known = ["--kv-xfails", str(xfails)] if str(xfails) != "auto" else []
     return ["--kv-conformance", "--kv-strict", "-rs", *known, "--kv-report", str(report),
             *extra]
 
@@ -57,7 +58,7 @@ def select_legs(available: Sequence[Leg], wanted: Sequence[str]) -> list[Leg]:
 
 
 def run_matrix(*, root: Path, out: Path, legs: Sequence[str] = (), tox: Sequence[str] = ("tox",),
-               xfails: Path | None = KNOWN_FINDINGS, extra: Sequence[str] = (),
+               xfails: Path | str = "auto", extra: Sequence[str] = (),
                timeout: float | None = None,
                echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every selected leg and return the combined report (also written to ``out``).
@@ -66,7 +67,7 @@ def run_matrix(*, root: Path, out: Path, legs: Sequence[str] = (), tox: Sequence
     what it finished) and leaves the combined report marked interrupted; the
     ``KeyboardInterrupt`` is then re-raised.
     """
-    if xfails is not None and not xfails.is_file():
+    if isinstance(xfails, Path) and not xfails.is_file():
         raise MatrixUsageError(f"--xfails {xfails}: no such file")
     runner = Tox(root, tox, timeout=timeout)
     chosen = select_legs(runner.legs(LABEL), legs)
@@ -128,5 +129,5 @@ def _write(combined: Path, outcomes: Sequence[LegOutcome], run: tuple[str, str, 
     return matrix
 
 
-__all__ = ["COMBINED", "KNOWN_FINDINGS", "LABEL", "MatrixUsageError", "ToxError", "run_matrix",
+__all__ = ["COMBINED", "LABEL", "MatrixUsageError", "ToxError", "run_matrix",
            "select_legs", "suite_args"]

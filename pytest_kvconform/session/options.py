@@ -41,8 +41,9 @@ def add_options(parser: pytest.Parser) -> None:
          "ending in .md: Markdown there, JSON next to it); checked writable at start-up",
          default=None, metavar="PATH", ini_type="string", ini_default="")
     both("--kv-xfails", "kv_xfails",
-         "expected-failures file (TOML): matching tests become xfails", default=None,
-         metavar="FILE", ini_type="string", ini_default="")
+         "known findings (TOML): matching tests become xfails; auto (default): the file "
+         "shipped for the installed vLLM / vllm-omni; none: no known findings",
+         default=None, metavar="auto|none|FILE", ini_type="string", ini_default="auto")
     both("--kv-strict", "kv_strict",
          "qualification mode: an xpass or error fails, a partial run fails, and a skip fails "
          "unless the clause table forgives its kind for that clause",
@@ -74,7 +75,7 @@ class Options:
     device: str = "auto"
     cases: tuple[Path, ...] = ()
     report: Path | None = None
-    xfails: Path | None = None
+    xfails: str = "auto"  # auto | none | a file (session/xfails.known_findings)
     strict: bool = False
     allow_oversubscribe: bool = False
     memory_fraction: float = 0.5
@@ -93,7 +94,7 @@ class Options:
         cases = [p if p.is_absolute() else base / p for p in cases]
         cases += [Path(p) for p in config.getini("kv_cases")] if not cases else []
         report = get("kv_report") or None
-        xfails = get("kv_xfails") or None
+        xfails = str(get("kv_xfails") or "auto")
         fraction_text = str(get("kv_memory_fraction"))
         try:
             fraction = float(fraction_text)
@@ -112,7 +113,7 @@ class Options:
             device=str(get("kv_device") or "auto"),
             cases=tuple(cases),
             report=Path(report) if report else None,
-            xfails=Path(xfails) if xfails else None,
+            xfails=xfails,
             strict=bool(get("kv_strict")),
             allow_oversubscribe=bool(get("kv_allow_oversubscribe")),
             memory_fraction=fraction,

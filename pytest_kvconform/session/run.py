@@ -29,7 +29,7 @@ class KvSession:
     """Per-run state; pytest hooks on the instance run only with --kv-conformance."""
 
     def __init__(self, config: pytest.Config, options: Options,
-                 xfails: list[Any] | None = None) -> None:
+                 known: Any = None) -> None:
         self.config = config
         self.options = options
         self.fault: str | None = None
@@ -39,7 +39,7 @@ class KvSession:
         # What runs whose processes are gone left in $TMPDIR (SIGKILL): the controller's job.
         self.swept = [] if hasattr(config, "workerinput") else tempdirs.sweep()
         # First: from here on a Ctrl-C still ends with a verdict and a report (KvResults).
-        self.selection = KvSelection(config, options, self.device, list(xfails or []))
+        self.selection = KvSelection(config, options, self.device, known)
         self.results = KvResults(config, options, self.selection)
         config.pluginmanager.register(self.selection, SELECTION_PLUGIN)
         config.pluginmanager.register(self.results, RESULTS_PLUGIN)

@@ -58,13 +58,17 @@ class KvSelection:
     """The run's backends and cases, and which suite tests (and xfail entries) they hit."""
 
     def __init__(self, config: pytest.Config, options: Options, device: str,
-                 xfails: list[Any]) -> None:
+                 known: Any) -> None:
         self.config = config
         self.options = options
         self.device = device
         self.discovery = Discovery()
         self.cases: list[Case] = []
-        self.xfails = xfails  # parsed at start-up (plugin.py)
+        # The known findings (xfails.KnownFindings), resolved at start-up (plugin.py).
+        self.known = known
+        self.xfails: list[Any] = list(known.entries) if known is not None else []
+        if known is not None:  # the report's options name the file that applied
+            options.raw["xfails"] = str(known.path) if known.path is not None else None
         self.counts = Counts()
         # describe() ids of xfail entries that named a collected test (any process).
         self.xfail_matched: set[str] = set()
@@ -157,12 +161,13 @@ class KvSelection:
     def header_lines(self) -> list[str]:
         """The header's backends, cases, discovery notes and plugins."""
         cases = f"kvconform: {len(self.cases)} cases: {', '.join(c.id for c in self.cases)}"
+        known = [self.known.header_line()] if self.known is not None else []
         if self.remote:
             return ["kvconform: backends: discovered by each xdist worker, listed after the run",
-                    cases]
+                    cases, *known]
         plugin_lines = self.plugins.header_lines() if self.plugins is not None else []
         return [self._backends_line(self.backend_dicts(), "", self.discovery_seconds), cases,
-                *self._detail_lines(self.discovery.notes, plugin_lines),
+                *known, *self._detail_lines(self.discovery.notes, plugin_lines),
                 *self._import_log_lines(self.import_log)]
 
     def _import_log_lines(self, messages: list[dict[str, Any]] | None) -> list[str]:

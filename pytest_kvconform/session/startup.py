@@ -54,11 +54,15 @@ def _check_writable_file(given: Path, target: Path) -> None:
     probe.unlink(missing_ok=True)
 
 
-def load_xfails(path: Path) -> list[Any]:
-    """The parsed xfails file; a bad one raises :class:`StartupError` naming it."""
+def known_findings(value: str) -> Any:
+    """The known findings ``--kv-xfails`` names (``auto``: the shipped file for the
+    installed stack, read from its metadata, nothing imported); a bad file raises
+    :class:`StartupError` naming it."""
+    from pytest_kvconform.contract.records import installed_version
     from pytest_kvconform.session import xfails
 
+    versions = {"vllm": installed_version("vllm"), "vllm_omni": installed_version("vllm-omni")}
     try:
-        return xfails.load_xfails(path)
+        return xfails.known_findings(value, versions)
     except (OSError, xfails.XfailFileError) as exc:
         raise StartupError(str(exc)) from None

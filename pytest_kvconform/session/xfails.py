@@ -173,6 +173,16 @@ class XfailEntry:
         not parse, does not hold: an xfail must never hide a failure it was not
         written for.  ``device_kind`` may be ``"cuda:1"``; only the kind counts.
         """
+        return self.versions_hold(versions) and (
+            self.device is None or self.device == device_kind.split(":", 1)[0])
+
+    @property
+    def conditioned(self) -> bool:
+        """Whether the entry names the versions it was written for."""
+        return any(getattr(self, key) is not None for key in _VERSION_KEYS)
+
+    def versions_hold(self, versions: Mapping[str, str | None]) -> bool:
+        """Whether every version condition holds for ``versions`` (absent: does not)."""
         for key in _VERSION_KEYS:
             spec: SpecifierSet | None = getattr(self, key)
             if spec is None:
@@ -188,7 +198,7 @@ class XfailEntry:
                 return False
             if not spec.contains(version, prereleases=True):
                 return False
-        return self.device is None or self.device == device_kind.split(":", 1)[0]
+        return True
 
 
 def load_xfails(path: str | Path) -> list[XfailEntry]:
@@ -360,3 +370,72 @@ def stale_entries(
                 continue
         stale.append(entry)
     return stale
+
+
+# --- the known findings a run applies (``--kv-xfails auto|none|FILE``) -------------------
+
+AUTO = "auto"
+NONE = "none"
+# The known findings shipped with the package, one file per serving stack.
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "known"
+
+
+@dataclass(frozen=True)
+class KnownFindings:
+    """The known-findings file a run applies, and why (the header's line)."""
+
+    path: Path | None
+    why: str
+    entries: tuple[XfailEntry, ...] = ()
+
+    def header_line(self) -> str:
+        where = _shown(self.path) if self.path is not None else "none"
+        return f"kvconform: known findings: {where} ({self.why})"
+
+
+def _shown(path: Path) -> str:
+    """A shipped file by its place in the package, any other as given."""
+    try:
+        return str(Path("pytest_kvconform", "known", path.relative_to(SHIPPED_DIR)))
+    except ValueError:
+        return str(path)
+
+
+def describe_versions(versions: Mapping[str, str | None]) -> str:
+    return ", ".join(f"{key.replace('_', '-')} {versions.get(key) or 'not installed'}"
+                     for key in _VERSION_KEYS)
+
+
+def shipped_for(versions: Mapping[str, str | None],
+                shipped: Path = SHIPPED_DIR) -> KnownFindings:
+    """The shipped file written for the installed stack: the one whose every version
+    condition holds (and that has one); none when no file, or more than one, matches."""
+    matches = []
+    for path in sorted(shipped.glob("*.toml")):
+        entries = load_xfails(path)
+        conditioned = [e for e in entries if e.conditioned]
+        if conditioned and all(e.versions_hold(versions) for e in conditioned):
+            matches.append((path, entries))
+    installed = describe_versions(versions)
+    if len(matches) == 1:
+        path, entries = matches[0]
+        return KnownFindings(path, f"shipped; written for the installed {installed}",
+                             tuple(entries))
+    if not matches:
+        return KnownFindings(None, f"no shipped file is written for {installed}")
+    names = ", ".join(p.name for p, _ in matches)
+    raise XfailFileError(str(shipped), f"{names} are each written for {installed}: a stack "
+                         "has one file of known findings")
+
+
+def known_findings(value: str | Path | None, versions: Mapping[str, str | None]
+                   ) -> KnownFindings:
+    """``--kv-xfails``: ``auto`` (default) the shipped file for the installed stack,
+    ``none`` no known findings, else the file named; a bad file raises
+    :class:`XfailFileError` naming it."""
+    text = str(value) if value not in (None, "") else AUTO
+    if text == AUTO:
+        return shipped_for(versions)
+    if text == NONE:
+        return KnownFindings(None, "--kv-xfails none")
+    return KnownFindings(Path(text), "--kv-xfails", tuple(load_xfails(text)))
