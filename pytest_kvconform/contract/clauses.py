@@ -66,6 +66,15 @@ Arg = Literal["backend", "need", "need_backend", "layout", "case", "device", "wo
 WHO_ARGS: frozenset[str] = frozenset({"backend", "need", "need_backend"})
 WORKER_ARGS: frozenset[str] = frozenset({"workers", "worker", "workers_factory"})
 AppliesTo = Literal["backend", "layout x case", "case", "backend x case"]
+# Whom a result speaks for: the backend under test (what its class and its declaration
+# decide) or the serving stack (vLLM / vllm-omni: the seam controls, the upstream families,
+# and the stack's own guards even where they run on a backend).  A backend-scoped run's
+# verdict and exit status speak for its backends' ``backend`` results alone.
+Subject = Literal["backend", "stack"]
+SUBJECTS: tuple[Subject, ...] = ("backend", "stack")
+# A backend's declaration: every other result of the backend uses it, so when it fails
+# the backend's other failures are reported as depending on it.
+ROOT_CLAUSE = "KV-L1"
 
 ALWAYS_FORGIVEN: frozenset[SkipKind] = frozenset({SkipKind.NOT_APPLICABLE})
 HARDWARE_FORGIVEN: frozenset[SkipKind] = frozenset({SkipKind.NOT_APPLICABLE, SkipKind.HARDWARE})
@@ -138,6 +147,14 @@ class Check:
     variant: str = ""
     seam: bool = False
     controls: tuple[str, ...] = ()
+    # Set for the stack's guards that run on a backend (KV-L8, KV-A4); otherwise a check
+    # of a discovered backend is the backend's, and any other the stack's (:attr:`subject`).
+    guards_stack: bool = False
+
+    @property
+    def subject(self) -> Subject:
+        """Whom this control's results speak for (see :data:`Subject`)."""
+        return "backend" if "backend" in self.args and not self.guards_stack else "stack"
 
     def resolve(self) -> Callable[..., None]:
         """The check function itself (imports its module now, not before)."""
@@ -186,8 +203,15 @@ class Clause:
 
 
 def _c(module: str, name: str, *args: Arg, variant: str = "", seam: bool = False,
-       controls: tuple[str, ...] = ()) -> Check:
-    return Check(f"pytest_kvconform.checks.{module}:{name}", args, variant, seam, controls)
+       controls: tuple[str, ...] = (), guards_stack: bool = False) -> Check:
+    return Check(f"pytest_kvconform.checks.{module}:{name}", args, variant, seam, controls,
+                 guards_stack)
+
+
+def _guard(module: str, name: str, *args: Arg, variant: str = "",
+           controls: tuple[str, ...] = ()) -> Check:
+    """A check of the stack's own guard, run on a backend (its subject is the stack)."""
+    return _c(module, name, *args, variant=variant, controls=controls, guards_stack=True)
 
 
 def _l(n: int, title: str, *checks: Check, forgiven: frozenset[SkipKind] = ALWAYS_FORGIVEN
@@ -206,7 +230,8 @@ def _n(n: int, title: str, cases: Callable[[Case], bool], *args: Arg) -> Clause:
 
 def _a(n: int, title: str, cases: Callable[[Case], bool], *args: Arg,
        forgiven: frozenset[SkipKind] = HARDWARE_FORGIVEN,
-       variants: Mapping[str, tuple[str, ...]] | None = None) -> Clause:
+       variants: Mapping[str, tuple[str, ...]] | None = None,
+       guards_stack: bool = False) -> Clause:
     """An adoption clause: for the backend's declared need, and once per need (seam).
 
     ``variants`` maps each independent control to its neighbouring controls' test
@@ -216,7 +241,8 @@ def _a(n: int, title: str, cases: Callable[[Case], bool], *args: Arg,
     checks: list[Check] = []
     for variant, controls in (variants or {"": ()}).items():
         name = f"check_kv_a{n}" + (f"_{variant}" if variant else "")
-        checks += [_c(module, name, "backend", *args, variant=variant, controls=controls),
+        checks += [_c(module, name, "backend", *args, variant=variant, controls=controls,
+                      guards_stack=guards_stack),
                    _c(module, name, "need", *args, variant=variant, seam=True,
                       controls=tuple(f"{c}_seam" for c in controls))]
     return Clause(f"KV-A{n}", title, "backend x case", tuple(checks), forgiven, cases)
@@ -240,19 +266,23 @@ CLAUSES: tuple[Clause, ...] = (
           controls=("test_kv_l6_seam",))),
     _l(7, "Paged read path", _c("layout", "check_kv_l7", "backend", "device"),
        forgiven=HARDWARE_FORGIVEN),
+    # The stack's handling of what a user pins (names, aliases, the environment, a worker's
+    # own pin): vllm-omni's resolution, run on each backend.
     _l(8, "User-selected layouts",
-       _c("layout", "check_kv_l8_canonical_honoured", "backend", variant="canonical_honoured"),
-       _c("layout", "check_kv_l8_canonical_refused", "backend", variant="canonical_refused"),
-       _c("layout", "check_kv_l8_alias", "backend", variant="alias",
-          controls=("test_kv_l8_canonical_refused",)),
-       _c("layout", "check_kv_l8_worker_disagreement", "backend",
-          variant="worker_disagreement"),
-       _c("layout", "check_kv_l8_worker_alias", "backend", variant="worker_alias",
-          controls=("test_kv_l8_worker_disagreement",)),
-       _c("layout", "check_kv_l8_env_honoured", "backend", "device", variant="env_honoured",
-          controls=("test_kv_l8_env_refused",)),
-       _c("layout", "check_kv_l8_env_refused", "backend", "device", variant="env_refused",
-          controls=("test_kv_l8_env_honoured",))),
+       _guard("layout", "check_kv_l8_canonical_honoured", "backend",
+              variant="canonical_honoured"),
+       _guard("layout", "check_kv_l8_canonical_refused", "backend",
+              variant="canonical_refused"),
+       _guard("layout", "check_kv_l8_alias", "backend", variant="alias",
+              controls=("test_kv_l8_canonical_refused",)),
+       _guard("layout", "check_kv_l8_worker_disagreement", "backend",
+              variant="worker_disagreement"),
+       _guard("layout", "check_kv_l8_worker_alias", "backend", variant="worker_alias",
+              controls=("test_kv_l8_worker_disagreement",)),
+       _guard("layout", "check_kv_l8_env_honoured", "backend", "device", variant="env_honoured",
+              controls=("test_kv_l8_env_refused",)),
+       _guard("layout", "check_kv_l8_env_refused", "backend", "device", variant="env_refused",
+              controls=("test_kv_l8_env_honoured",))),
     _s(1, "Production tensor", plain, _c("strides", "check_kv_s1", "layout", "case")),
     _s(2, "View addresses", dense, _c("strides", "check_kv_s2", "layout", "case", "device"),
        _c("strides", "check_kv_s2_allocate", "layout", "case", "device", variant="allocate")),
@@ -269,10 +299,12 @@ CLAUSES: tuple[Clause, ...] = (
     _a(1, "Pinned before sizing, stamped on every config", adoption_case, "case", "workers"),
     _a(2, "A real process boundary", adoption_case, "case", "workers"),
     _a(3, "Worker adoption and allocation at oracle offsets", adoption_case, "case", "workers"),
+    # The worker's own guards (production's), run on each backend.
     _a(4, "Negative controls", adoption_case, "case", "workers",
        # The contradiction is refused only by a fix that still allocates a consistent
        # layout (KV-A3) for the same backend and case.
-       variants={"unadopted": (), "disagreement": (), "contradiction": ("test_kv_a3",)}),
+       variants={"unadopted": (), "disagreement": (), "contradiction": ("test_kv_a3",)},
+       guards_stack=True),
     _a(5, "Several ranks, one process each", adoption_multi_rank, "case", "workers"),
     _a(6, "Real allocation at scale", adoption_single_rank, *_A6_ARGS),
 )
@@ -344,6 +376,13 @@ def check_names() -> dict[str, tuple[Clause, Check]]:
     return {c.test_name(check): (c, check) for c in CLAUSES for check in c.checks}
 
 
+def subject_of(test: str) -> Subject | None:
+    """The subject of a suite test function's results (``test_kv_a4_unadopted`` ->
+    ``"stack"``); None for a name the table does not hold."""
+    found = check_names().get(test)
+    return found[1].subject if found is not None else None
+
+
 # --- the contract text ------------------------------------------------------------------------
 
 CONTRACT = Path(__file__).resolve().parents[1] / "contract.md"
@@ -369,6 +408,7 @@ def as_rows() -> list[dict[str, Any]]:
     return [{"clause": c.id, "family": c.family, "title": c.title, "applies_to": c.applies_to,
              "forgiven": sorted(k.value for k in c.forgiven),
              "tests": [c.test_name(k) for k in c.checks],
+             "subjects": {c.test_name(k): k.subject for k in c.checks},
              "controls": {c.test_name(k): list(k.controls) for k in c.checks if k.controls},
              "checks": [k.function for k in c.checks]} for c in CLAUSES]
 
@@ -382,10 +422,13 @@ def markdown_table() -> str:
     """The README's clause list, between its markers (a test compares the two)."""
     lines = [CLAUSE_LIST_BEGIN, "",
              "| clause | title | applies to | a skip is forgiven for | suite tests (one per "
-             "control) | a pass is a fix only while |",
+             "control), by subject | a pass is a fix only while |",
              "|---|---|---|---|---|---|"]
     for row in as_rows():
-        tests = ", ".join(f"`{t}`" for t in row["tests"])
+        tests = "; ".join(
+            f"{subject}: " + ", ".join(f"`{t}`" for t in row["tests"]
+                                      if row["subjects"][t] == subject)
+            for subject in SUBJECTS if subject in row["subjects"].values())
         controls = "; ".join(
             f"`{t}`: " + ", ".join(f"`{c}`" + (" (its other needs)" if c == t else "")
                                    for c in cs) + " holds"

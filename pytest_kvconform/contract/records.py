@@ -118,6 +118,7 @@ class ResultRow:
     error_kind: str | None  # an ErrorKind value, for error and xfailed rows only
     via: str | None = None  # the production entry point a KV-A check drove (VIA_PROPERTY)
     seeded_fault: str | None = None  # the seeded worker fault its KV-A workers ran under
+    subject: str | None = None  # "backend" or "stack": whom it speaks for (clauses.Subject)
 
     def as_dict(self) -> dict[str, Any]:
         """The row as the report and its JSON hold it (keys in field order)."""

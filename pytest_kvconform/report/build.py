@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_kvconform.contract import CONTRACT_VERSION
-from pytest_kvconform.contract.clauses import CLAUSE_RE, clause_sort_key
+from pytest_kvconform.contract.clauses import CLAUSE_RE, clause_sort_key, subject_of
 from pytest_kvconform.report.env import environment_info
 from pytest_kvconform.report.matrix import (
     MATRIX_SCHEMA,
@@ -79,9 +79,11 @@ from pytest_kvconform.report.schema import (
     validate_report,
 )
 from pytest_kvconform.report.verdict import (
+    EXIT_STACK_REGRESSED,
     FORGIVEN_SKIP_KINDS,
     STATUSES,
     VERDICTS,
+    bites,
     compute_verdict,
     describe_startup_failure,
     describe_uncovered,
@@ -93,17 +95,23 @@ from pytest_kvconform.report.verdict import (
     ran_count,
     result_notes,
     run_record,
+    scope_of,
     selection_record,
+    stack_differs,
+    stack_record,
+    stack_text,
     startup_failures,
     summarize,
     uncovered_entries,
     verdict_text,
+    with_dependencies,
 )
 from pytest_kvconform.workers.devices import nvidia_smi
 
 __all__ = [
     "CLAUSE_RE",
     "ERROR_KINDS",
+    "EXIT_STACK_REGRESSED",
     "FORGIVEN_SKIP_KINDS",
     "MATRIX_SCHEMA",
     "SCHEMA",
@@ -112,6 +120,7 @@ __all__ = [
     "UPSTREAM_ROW",
     "VERDICTS",
     "ReportError",
+    "bites",
     "build_matrix",
     "build_report",
     "check_mergeable",
@@ -144,13 +153,18 @@ __all__ = [
     "report_paths",
     "result_notes",
     "run_record",
+    "scope_of",
     "selection_record",
+    "stack_differs",
+    "stack_record",
+    "stack_text",
     "startup_failures",
     "summarize",
     "uncovered_entries",
     "validate_matrix",
     "validate_report",
     "verdict_text",
+    "with_dependencies",
     "worst_status",
     "write_matrix",
     "write_report",
@@ -182,7 +196,8 @@ def build_report(
     """
     env = jsonable(dict(environment))
     env["options"] = jsonable(dict(sorted(options.items())))
-    rows = sorted((_normalise_result(r) for r in results), key=result_sort_key)
+    rows = sorted(with_dependencies(_normalise_result(r) for r in results),
+                  key=result_sort_key)
     run_rec = jsonable(dict(run)) if run is not None else run_record()
     sel = jsonable(dict(selection)) if selection is not None else None
     startup = startup_failures(env.get("plugins"))
@@ -199,6 +214,7 @@ def build_report(
         "verdict": verdict,
         "uncovered": uncovered,
         "startup_failures": startup,
+        "stack": stack_record(rows),
     }
     validate_report(report)
     return report
@@ -206,6 +222,8 @@ def build_report(
 
 def _normalise_result(result: Mapping[str, Any]) -> dict[str, Any]:
     row = {k: jsonable(result.get(k)) for k in RESULT_KEYS + RESULT_OPTIONAL_KEYS}
+    if row["subject"] is None:  # a row from before subjects: the clause table's
+        row["subject"] = subject_of(str(row["nodeid"]).rpartition("::")[2].partition("[")[0])
     if row["duration_s"] is None:
         row["duration_s"] = 0.0
     extra = sorted(set(result) - set(row))

@@ -16,7 +16,7 @@ from pathlib import PurePath
 from typing import Any
 
 from pytest_kvconform.contract import CONTRACT_VERSION
-from pytest_kvconform.contract.clauses import CLAUSE_RE
+from pytest_kvconform.contract.clauses import CLAUSE_RE, SUBJECTS
 from pytest_kvconform.contract.outcomes import ErrorKind, SkipKind
 from pytest_kvconform.report.verdict import (
     STARTUP_FAILURE_KEYS,
@@ -24,8 +24,10 @@ from pytest_kvconform.report.verdict import (
     UNCOVERED_KEYS,
     UNCOVERED_SCOPES,
     VERDICTS,
+    dependents,
     judge,
     ran_count,
+    stack_record,
     startup_failures,
     summarize,
     verdict_text,
@@ -48,6 +50,8 @@ TOP_KEYS = (
     "schema", "contract", "run", "environment", "selection", "backends", "results", "summary",
     "verdict", "uncovered", "startup_failures",
 )
+# stack: the serving stack's results told apart (verdict.stack_record).
+TOP_OPTIONAL_KEYS = ("stack",)
 RUN_KEYS = ("id", "started", "duration_s", "interruption")
 SELECTION_KEYS = (
     "keyword", "markexpr", "paths", "backends", "excluded_backends", "collected", "selected",
@@ -71,7 +75,10 @@ RESULT_KEYS = (
 )
 # seeded_fault: the seeded worker fault this result's test sent its KV-A workers; via: the
 # production entry point a KV-A / KV-L6 result went through.
-RESULT_OPTIONAL_KEYS = ("skip_kind", "xfail", "error_kind", "seeded_fault", "via")
+# subject: "backend" or "stack" (the clause table's, per control); depends_on: the failed
+# clause a failure follows from (KV-L1, the backend's declaration).
+RESULT_OPTIONAL_KEYS = ("skip_kind", "xfail", "error_kind", "seeded_fault", "via", "subject",
+                        "depends_on")
 SUMMARY_KEYS = ("strict", "total", "by_status", "by_clause", "blocking")
 
 
@@ -120,7 +127,7 @@ def validate_report(obj: Any) -> None:
     """
     key: Any  # a backend's key (str), then a result's sort key (tuple)
     expect_shallow(obj)
-    expect_keys(obj, "$", TOP_KEYS)
+    expect_keys(obj, "$", TOP_KEYS, TOP_OPTIONAL_KEYS)
     if obj["schema"] != SCHEMA:
         raise ReportError("$.schema", f"expected {SCHEMA!r}, got {obj['schema']!r}")
     expect_finite(obj, "$")
@@ -159,6 +166,13 @@ def validate_report(obj: Any) -> None:
     if selected is not None and ran_count(obj["results"]) > selected:
         raise ReportError("$.selection.selected", f"{selected} tests selected but "
                           f"{ran_count(obj['results'])} have results")
+    found = dependents(obj["results"])
+    for i, result in enumerate(obj["results"]):
+        if result.get("depends_on") not in (None, found.get(result["nodeid"])):
+            raise ReportError(f"$.results[{i}].depends_on", f"{result['depends_on']!r}, but "
+                              f"the results give {found.get(result['nodeid'])!r}")
+    if "stack" in obj and obj["stack"] != stack_record(obj["results"]):
+        raise ReportError("$.stack", "does not match the results")
     _validate_summary(obj["summary"])
     strict = obj["summary"]["strict"]
     if obj["summary"] != summarize(obj["results"], strict):
@@ -305,8 +319,12 @@ def _validate_result(result: Any, where: str) -> None:
     expect_type(result["clause"], f"{where}.clause", str)
     if not CLAUSE_RE.match(result["clause"]):
         raise ReportError(f"{where}.clause", f"not a clause id: {result['clause']!r}")
-    for key in ("backend", "case", "layout", "device", "reason", "xfail", "seeded_fault", "via"):
+    for key in ("backend", "case", "layout", "device", "reason", "xfail", "seeded_fault", "via",
+                "depends_on"):
         expect_type(result.get(key), f"{where}.{key}", str, none=True)
+    if result.get("subject") not in (None, *SUBJECTS):
+        raise ReportError(f"{where}.subject", f"expected one of {', '.join(SUBJECTS)}, got "
+                          f"{result['subject']!r}")
     if result["status"] not in STATUSES:
         raise ReportError(
             f"{where}.status", f"expected one of {', '.join(STATUSES)}, got {result['status']!r}"

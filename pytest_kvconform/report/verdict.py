@@ -28,6 +28,13 @@ hardware, a skip the xfails file declares, a missing package), each with its kin
 the xfails entry that declared it, and its reason.  A qualified verdict thus never
 hides what it did not check.
 
+Each result has a subject (:data:`pytest_kvconform.contract.clauses.Subject`): the backend
+under test, or the serving stack.  A backend-scoped run (``--kv-backend`` left backends out)
+is judged on its backends' ``backend`` results alone (:func:`scope_of`); the stack's results
+are told apart (:func:`stack_record`): known findings listed, anything else the stack's
+regression.  When a backend's declaration (KV-L1) fails, the backend's other failures are
+reported as depending on it (:func:`dependents`), and the verdict names KV-L1 first.
+
 A deployment that production could not start is ``not qualified`` whatever the
 results (:func:`startup_failures`): a general plugin whose hook raises stops every
 production process at start-up, since vLLM's and vllm-omni's loaders call the hooks
@@ -221,16 +228,75 @@ def _named(results: Sequence[Mapping[str, Any]], *, why: Mapping[str, str] | Non
     return ", ".join(parts)
 
 
-def result_notes(results: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The results that speak against qualification, by control (suite test): failures
-    (a known finding's test failing another way named so), xpasses that are no fix
-    because a neighbouring control failed, and xpasses (a known finding now passes)."""
+_FAILED = ("failed", "error")
+
+
+def dependents(results: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """nodeid -> the root clause it depends on, for each failure of a backend whose
+    declaration (:data:`~pytest_kvconform.contract.clauses.ROOT_CLAUSE`) failed.
+
+    Every other result of a backend uses its declaration, so those failures follow from
+    it: reported under it, not beside it.
+    """
+    results = list(results)
+    root = clauses.ROOT_CLAUSE
+    broken = {r.get("backend") for r in results
+              if r.get("clause") == root and r.get("status") in _FAILED and r.get("backend")}
+    return {str(r["nodeid"]): root for r in results
+            if r.get("backend") in broken and r.get("clause") != root
+            and r.get("status") in _FAILED}
+
+
+def with_dependencies(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The results, each failure that follows from a failed declaration naming it
+    (``depends_on``)."""
+    results = list(results)
+    found = dependents(results)
+    return [{**r, "depends_on": found.get(str(r["nodeid"]))} for r in results]
+
+
+def _root_notes(results: Sequence[Mapping[str, Any]], found: Mapping[str, str]) -> list[str]:
+    """``MY_ATTN: KV-L1 failed (root cause): test_kv_l1[MY_ATTN]; 28 results depend on it:
+    ...``, one per backend whose declaration failed."""
     notes = []
-    differs = [r for r in results if r.get("status") == "failed" and r.get("xfail")]
+    root = clauses.ROOT_CLAUSE
+    for backend in sorted({str(r["backend"]) for r in results if r["nodeid"] in found}
+                          | {str(r["backend"]) for r in results if r.get("clause") == root
+                             and r.get("status") in _FAILED and r.get("backend")}):
+        mine = [r for r in results if r.get("backend") == backend]
+        roots = [r for r in mine if r.get("clause") == root and r.get("status") in _FAILED]
+        deps = [r for r in mine if r["nodeid"] in found]
+        text = f"{backend}: {root} failed (root cause): {_named(roots)}"
+        if deps:
+            text += (f"; {len(deps)} result{'s' if len(deps) != 1 else ''} depend on it: "
+                     + _named(deps))
+        notes.append(text)
+    return notes
+
+
+def result_notes(results: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The results that speak against qualification, by control (suite test): a failed
+    declaration with what depends on it first, then failures (a known finding's test
+    failing another way named so), xpasses that are no fix because a neighbouring control
+    failed, and xpasses (a known finding now passes)."""
+    found = dependents(results)
+    notes = _root_notes(results, found)
+    root = clauses.ROOT_CLAUSE
+    rest = [r for r in results if r["nodeid"] not in found
+            and not (r.get("clause") == root and r.get("status") in _FAILED
+                     and r.get("backend"))]
+    notes += _plain_notes(results, rest)
+    return notes
+
+
+def _plain_notes(results: Sequence[Mapping[str, Any]],
+                 rest: Sequence[Mapping[str, Any]]) -> list[str]:
+    notes = []
+    differs = [r for r in rest if r.get("status") == "failed" and r.get("xfail")]
     for entry in sorted({str(r["xfail"]) for r in differs}):
         notes.append(f"differs from known finding {entry}: "
                      + _named([r for r in differs if r["xfail"] == entry]))
-    failed = [r for r in results if r.get("status") == "failed" and not r.get("xfail")
+    failed = [r for r in rest if r.get("status") == "failed" and not r.get("xfail")
               and not r.get("seeded_fault")]
     if failed:
         notes.append("failed: " + _named(failed))
@@ -239,8 +305,8 @@ def result_notes(results: Sequence[Mapping[str, Any]]) -> list[str]:
         why = {n: "its control " + ", ".join(f"{test_function(c)}[{_params(c)}]" for c in cs)
                + " failed" for n, cs in broken.items()}
         notes.append("passes, but no fix of its known finding: " +
-                     _named([r for r in results if r["nodeid"] in broken], why=why))
-    fixed = [r for r in results if r.get("status") == "xpassed" and r["nodeid"] not in broken]
+                     _named([r for r in rest if r["nodeid"] in broken], why=why))
+    fixed = [r for r in rest if r.get("status") == "xpassed" and r["nodeid"] not in broken]
     if fixed:
         notes.append("xpassed (a known finding no longer fails: remove its entry): "
                      + _named(fixed))
@@ -362,24 +428,116 @@ def interruption_of(run: Mapping[str, Any], selection: Mapping[str, Any] | None,
     return None
 
 
+def scope_of(selection: Mapping[str, Any] | None) -> list[str] | None:
+    """The backends a backend-scoped run speaks for (``--kv-backend`` left others out);
+    None for a whole-deployment run."""
+    if selection is None or not selection.get("excluded_backends"):
+        return None
+    return list(selection["backends"])
+
+
+def in_scope(results: Sequence[Mapping[str, Any]],
+             scope: Sequence[str] | None) -> list[Mapping[str, Any]]:
+    """The results a verdict is judged on: all of them for a whole deployment; for a
+    backend-scoped run, the named backends' ``backend`` results, and the failures of the
+    stack's guards on them that follow from a failed declaration (:func:`dependents`)."""
+    if scope is None:
+        return list(results)
+    found = dependents(results)
+    return [r for r in results if r.get("backend") in scope
+            and (_subject(r) == "backend" or r["nodeid"] in found)]
+
+
+def _subject(result: Mapping[str, Any]) -> str | None:
+    return result.get("subject") or clauses.subject_of(test_function(str(result["nodeid"])))
+
+
+def _scoped_selection(selection: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """What a backend-scoped run left out, less the backends it was not asked about."""
+    if scope_of(selection) is None or selection is None:
+        return selection
+    return {**selection, "excluded_backends": []}
+
+
 def judge(
     results: Sequence[Mapping[str, Any]], strict: bool, selection: Mapping[str, Any] | None,
     run: Mapping[str, Any], startup: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[str, list[dict[str, Any]]]:
     """The report's verdict and uncovered entries: results, start-up, completeness,
-    interruption.
+    interruption; for a backend-scoped run, of its backends' own results (:func:`in_scope`).
 
     ``interrupted`` > ``not qualified`` > ``partial`` > ``qualified``; ``startup``
     (:func:`startup_failures`) makes any finished run ``not qualified``.
     """
-    verdict, uncovered = compute_verdict(results, strict)
+    verdict, uncovered = compute_verdict(in_scope(results, scope_of(selection)), strict)
     if interruption_of(run, selection, results):
         verdict = "interrupted"
     elif startup:
         verdict = "not qualified"
-    elif verdict == "qualified" and left_out(selection):
+    elif verdict == "qualified" and left_out(_scoped_selection(selection)):
         verdict = "partial"
     return verdict, uncovered
+
+
+def stack_record(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The serving stack's results told apart: its known findings (xfailed), its
+    regressions (failed or errored with no known finding describing them), and known
+    findings that no longer fail (xpassed), each a list of nodeids."""
+    found = dependents(results)  # a backend's broken declaration, not the stack
+    stack = [r for r in results if _subject(r) == "stack" and r["nodeid"] not in found]
+    return {
+        "results": len(stack),
+        "known": sorted(str(r["nodeid"]) for r in stack if r.get("status") == "xfailed"),
+        "regressions": sorted(str(r["nodeid"]) for r in stack if r.get("status") in _FAILED),
+        "fixed": sorted(str(r["nodeid"]) for r in stack if r.get("status") == "xpassed"),
+    }
+
+
+def stack_text(results: Sequence[Mapping[str, Any]]) -> str:
+    """``6 known findings listed, no regression`` or ``1 regression no known finding
+    describes: KV-S1 test_kv_s1[LBNHC-bf16_h8]``: the stack's line, after its versions."""
+    rec = stack_record(results)
+    by_id = {str(r["nodeid"]): r for r in results}
+    notes = [f"{len(rec['known'])} known finding result{'s' if len(rec['known']) != 1 else ''} "
+             "listed"]
+    if rec["regressions"]:
+        n = len(rec["regressions"])
+        notes.append(f"{n} regression{'s' if n != 1 else ''} no known finding describes: "
+                     + _named([by_id[i] for i in rec["regressions"]]))
+    else:
+        notes.append("no regression")
+    if rec["fixed"]:
+        notes.append("known findings that no longer fail (remove their entries): "
+                     + _named([by_id[i] for i in rec["fixed"]]))
+    return ", ".join(notes)
+
+
+# The exit status of a backend-scoped run whose backends conform while the stack shows
+# what its known findings do not describe (pytest's own statuses are 0-5).
+EXIT_STACK_REGRESSED = 6
+
+
+def stack_differs(results: Sequence[Mapping[str, Any]], strict: bool) -> bool:
+    """Whether the stack shows what its known findings do not describe: a regression, or
+    (strict) a known finding that no longer fails."""
+    rec = stack_record(results)
+    return bool(rec["regressions"] or (strict and rec["fixed"]))
+
+
+def bites(results: Sequence[Mapping[str, Any]], backend: str) -> list[str]:
+    """The stack's findings on ``backend``'s own deployment (its guards that failed or are
+    known to fail there): a defect production shows whenever this backend serves."""
+    mine = [r for r in results if r.get("backend") == backend and _subject(r) == "stack"
+            and r.get("status") in ("xfailed", *_FAILED)]
+    tests: dict[str, list[Mapping[str, Any]]] = {}
+    for r in mine:
+        tests.setdefault(test_function(str(r["nodeid"])), []).append(r)
+    out = []
+    for test, rows in tests.items():
+        known = next((str(r["xfail"]) for r in rows if r.get("xfail")), None)
+        out.append(f"{rows[0]['clause']} {test}" + (f" (known: {known})" if known else
+                                                      " (a regression)"))
+    return out
 
 
 def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
@@ -394,8 +552,9 @@ def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
     if startup:
         notes.append("production would not start: " +
                      "; ".join(describe_startup_failure(f) for f in startup))
+    results = in_scope(results, scope_of(selection))
     notes += result_notes(results)
-    missing = left_out(selection)
+    missing = left_out(_scoped_selection(selection))
     if missing and verdict != "qualified":
         notes.append("left out: " + "; ".join(missing))
     if uncovered:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.adapters import run_env
-from pytest_kvconform.contract.clauses import clause_from_test_name
+from pytest_kvconform.contract.clauses import clause_from_test_name, subject_of
 from pytest_kvconform.contract.outcome_rule import ERROR_KIND_PROPERTY, harness_kind
 from pytest_kvconform.contract.outcomes import (
     ClauseFailure,
@@ -66,6 +66,8 @@ class KvResults:
         self.started_iso = now_iso()
         self.interruption: str | None = None
         self.verdict_line = ""
+        self.stack_lines: list[str] = []  # the stack's line, and what bites each backend
+        self.other_failures = 0  # failed reports of tests beside the suite (a repo's own)
         self.report_error: str | None = None
         self.report_line = ""
         # pytest_sessionstart finished, so pytest_sessionfinish will come; until then an
@@ -188,6 +190,8 @@ class KvResults:
         row = result_row(report)
         if row is not None:
             self.rows.append(row)
+        elif report.failed:
+            self.other_failures += 1
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_handlecrashitem(self, crashitem: str, report: pytest.TestReport,
@@ -235,7 +239,7 @@ class KvResults:
         if self.concluded or getattr(self.config, "workerinput", None) is not None:
             return
         self._conclude(pytest.ExitCode.INTERRUPTED)
-        lines = [f"kvconform: verdict: {self.verdict_line}", self.report_line]
+        lines = [f"kvconform: verdict{self.verdict_line}", self.report_line]
         if self.report_error:
             lines.append(f"kvconform: ERROR: {self.report_error}")
         tr = self.config.pluginmanager.get_plugin("terminalreporter")
@@ -272,7 +276,9 @@ class KvResults:
             tr.write_line(f"kvconform: warning: stale xfail entry {entry.describe()} matched no "
                           "test", yellow=True)
         if self.verdict_line:
-            tr.write_line(f"kvconform: verdict: {self.verdict_line}")
+            tr.write_line(f"kvconform: verdict{self.verdict_line}")
+        for line in self.stack_lines:
+            tr.write_line(line)
         if self.report_line:
             tr.write_line(self.report_line)
         if self.report_error:
@@ -285,14 +291,14 @@ class KvResults:
         if self.selection.usage_error:
             session.exitstatus = pytest.ExitCode.USAGE_ERROR
             return
-        failed = self._conclude(exitstatus, session)
-        if failed and session.exitstatus == 0:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        status = self._conclude(exitstatus, session)
+        if status is not None and session.exitstatus in (pytest.ExitCode.OK,
+                                                         pytest.ExitCode.TESTS_FAILED):
+            session.exitstatus = status
 
-    def _conclude(self, exitstatus: int, session: pytest.Session | None = None) -> bool:
-        """The verdict line and (when wanted) the report; True when the run must exit
-        non-zero for it (strict and not qualified, a plugin that stops production, the
-        report unwritable)."""
+    def _conclude(self, exitstatus: int, session: pytest.Session | None = None) -> int | None:
+        """The verdict lines and (when wanted) the report; the exit status the run must end
+        with for them (None: pytest's own stands), see :meth:`_exit_status`."""
         from pytest_kvconform.report import build as report_mod
 
         self.concluded = True
@@ -306,9 +312,11 @@ class KvResults:
         plugins = self.selection.plugins_record()
         startup = report_mod.startup_failures(plugins)
         verdict, uncovered = report_mod.judge(results, strict, selection, run, startup)
-        self.verdict_line = report_mod.verdict_text(verdict, uncovered, selection, run, results,
-                                                    startup)
-        failed = bool(startup) or (strict and verdict != "qualified")
+        scope = report_mod.scope_of(selection)
+        self.verdict_line = (f" for {', '.join(scope)}" if scope else "") + ": " + \
+            report_mod.verdict_text(verdict, uncovered, selection, run, results, startup)
+        self.stack_lines = self._stack_lines(results, scope)
+        failed = self._exit_status(verdict, scope, results, bool(startup))
         if self.options.report is None and not self.report_wanted:
             return failed
         environment = report_mod.environment_info(self.options.raw, seed=None)
@@ -333,9 +341,49 @@ class KvResults:
                 detail = exc.strerror + (f": {exc.filename}" if exc.filename else "")
             self.report_error = (f"the report could not be written to "
                                  f"{self.options.report}: {detail}")
-            return True
+            return pytest.ExitCode.TESTS_FAILED
         self.report_line = f"kvconform: report written to {json_path} and {md_path}"
         return failed
+
+    def _exit_status(self, verdict: str, scope: list[str] | None,
+                     results: Sequence[dict[str, Any]], startup: bool) -> int | None:
+        """1 for a plugin that stops production, or strict and not qualified; in a
+        backend-scoped run, 1 when its backends fail, else
+        :data:`~pytest_kvconform.report.verdict.EXIT_STACK_REGRESSED` when only the stack
+        shows something new, else 0 (unless the repository's own tests failed)."""
+        from pytest_kvconform.report import build as report_mod
+
+        strict = self.options.strict
+        if startup:
+            return pytest.ExitCode.TESTS_FAILED
+        if scope is None or verdict == "interrupted":
+            return pytest.ExitCode.TESTS_FAILED if strict and verdict != "qualified" else None
+        if verdict == "not qualified" or (strict and verdict != "qualified"):
+            return pytest.ExitCode.TESTS_FAILED
+        if self.other_failures:
+            return None
+        if report_mod.stack_differs(results, strict):
+            return report_mod.EXIT_STACK_REGRESSED
+        return pytest.ExitCode.OK
+
+    def _stack_lines(self, results: Sequence[dict[str, Any]],
+                     scope: list[str] | None) -> list[str]:
+        """The stack's line (its versions and what its results show), and for a
+        backend-scoped run what of it bites each named backend in production."""
+        from pytest_kvconform.adapters import compat
+        from pytest_kvconform.report import build as report_mod
+
+        if not any(r.get("subject") == "stack" for r in results):
+            return []
+        v = compat.versions()
+        lines = [f"kvconform: stack (vllm {v['vllm'] or '-'}, vllm-omni "
+                 f"{v['vllm-omni'] or 'not installed'}): {report_mod.stack_text(results)}"]
+        for backend in scope or ():
+            found = report_mod.bites(results, backend)
+            if found:
+                lines.append(f"kvconform: {backend} is bitten in production by the stack's "
+                             f"findings: {'; '.join(found)}")
+        return lines
 
     def _interruption(self, session: pytest.Session | None, exitstatus: int) -> str | None:
         if self.interruption:
@@ -475,5 +523,6 @@ def result_row(report: pytest.TestReport) -> ResultRow | None:
         error_kind=error_kind if status in ("error", "xfailed") else None,
         via=props.get(VIA_PROPERTY),
         seeded_fault=props.get(SEEDED_FAULT_PROPERTY),
+        subject=subject_of(report.nodeid.rpartition("::")[2].partition("[")[0]),
     )
 
