@@ -110,11 +110,11 @@ def _speculate_workers(config: pytest.Config, options: Options, session: KvSessi
     """Start the KV-A workers now if KV-A tests may be selected, overlapping discovery.
 
     For CPU workers, their fork server (``workers/forkserver.py``; the workers fork from it
-    after collection).  The ~20 s import then overlaps this process's own import and
-    discovery on a second core; :func:`pytest_collection_finish` drops them (or stops
-    the server) if no selected test needs them.  An xdist controller runs no test: on
-    a CPU host it starts only the server, which its workers share (``forkserver.share``).
-    Nothing for ``--collect-only``.
+    after collection).  Its import (what it costs: benchmarks/RESULTS.md) then overlaps
+    this process's own import and discovery on a second core;
+    :func:`pytest_collection_finish` drops them (or stops the server) if no selected test
+    needs them.  An xdist controller runs no test: on a CPU host it starts only the
+    server, which its workers share (``forkserver.share``).  Nothing for ``--collect-only``.
     """
     from pytest_kvconform.session import selection_guess
 

@@ -1,7 +1,7 @@
 """The release matrix's mechanics (``kvconform matrix``), with a stand-in for tox: every leg is
 named with its outcome, the combined report validates against its legs' reports, and a
 tampered one does not.  The real matrix builds and runs each environment (minutes per leg);
-it is not part of the plugin's tests (README, "Qualifying a release")."""
+it is not part of the plugin's tests (docs/release.md)."""
 
 from __future__ import annotations
 

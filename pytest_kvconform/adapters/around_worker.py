@@ -65,7 +65,7 @@ harness does exactly this, and nothing elsewhere:
   next deployment runs on other KV-A workers while it finishes (``WorkerHandle.release_later``,
   ``WorkerPool.get``, up to ``SPARE_SETS`` workers per rank, each set started while the
   deployment before it runs).  That teardown is mostly gloo process groups waiting on their
-  transport's clock (~0.16 s a deployment); a failure in it belongs to no check.  On GPUs
+  transport's clock; a failure in it belongs to no check.  On GPUs
   the close is waited for, since it returns device memory a later check measures.
 
 :func:`host_limit` tells a worker start-up failure that is the host's (raised by torch's
@@ -179,8 +179,8 @@ def await_rendezvous(od_config: Any, rank: int) -> None:
     deployment's ``master_port``, or after :data:`RENDEZVOUS_WAIT_S` regardless.
 
     Rank 0's ``init_distributed_environment`` serves the store; another rank's client
-    that connects before it listens backs off at random (measured here: 0.3-0.75 s, in
-    about one world-size-2 deployment in four, against ~0.03 s for the whole start).
+    that connects before it listens backs off at random, for longer than the whole start
+    takes.
     The wait only orders the ranks' calls into production: whatever rank 0 does, each
     rank then runs production's start as it would have.
     """

@@ -318,7 +318,7 @@ def control_plane_config(device: str = "cpu", *, max_model_len: int = -1,
 
 @cache
 def _upstream_model_config(max_model_len: int) -> Any:
-    """vLLM's ``ModelConfig`` of the weightless model (the first costs ~20 s of imports)."""
+    """vLLM's ``ModelConfig`` of the weightless model (the first call pays vLLM's imports)."""
     from vllm.config import ModelConfig
 
     wanted = {"model": str(UPSTREAM_MODEL_DIR), "tokenizer": str(UPSTREAM_MODEL_DIR),

@@ -21,7 +21,7 @@ inherit them; restored at the end of the run.
 Also :func:`freeze_heap` / :func:`thaw_heap`: after collection, the objects the serving
 stack's import left behind (~940,000 tracked by the garbage collector) are moved out of
 its reach for the tests, so a full collection (one during the suite, and pytest's own two
-at the end of the run) no longer walks them: 0.3-0.4 s each on 2 cores.  They
+at the end of the run) does not walk them.  They
 are handed back when the run ends, before the process exits: the interpreter's final
 collections find what they always did, and a pytester run leaves nothing frozen.
 

@@ -20,8 +20,8 @@ from pytest_kvconform.contract.records import Case
 # Extra pages per rank for KV-N5; the smallest is not on rank 0, so "take rank 0's
 # count" and "take the largest" both show.
 RANK_EXTRA_PAGES: tuple[int, ...] = (3, 0, 7)
-# What one block of a BlockPool costs the test process: 136 bytes measured (tracemalloc,
-# 2^20 blocks, vLLM 0.30), rounded up for the allocator's own overhead.
+# What one block of a BlockPool costs the test process, as measured (benchmarks/RESULTS.md,
+# "What a case costs the test process"), rounded up for the allocator's own overhead.
 POOL_BYTES_PER_BLOCK = 256
 
 

@@ -404,7 +404,7 @@ def contract_clauses(text: str | None = None) -> dict[str, str]:
 
 
 def as_rows() -> list[dict[str, Any]]:
-    """The table as plain rows (for the README's clause list and for tools)."""
+    """The table as plain rows (for docs/clauses.md's table and for tools)."""
     return [{"clause": c.id, "family": c.family, "title": c.title, "applies_to": c.applies_to,
              "forgiven": sorted(k.value for k in c.forgiven),
              "tests": [c.test_name(k) for k in c.checks],
@@ -419,7 +419,7 @@ CLAUSE_LIST_END = "<!-- /clause-table -->"
 
 
 def markdown_table() -> str:
-    """The README's clause list, between its markers (a test compares the two)."""
+    """docs/clauses.md's clause table, between its markers (a test compares the two)."""
     lines = [CLAUSE_LIST_BEGIN, "",
              "| clause | title | applies to | a skip is forgiven for | suite tests (one per "
              "control), by subject | a pass is a fix only while |",

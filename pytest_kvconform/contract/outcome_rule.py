@@ -11,7 +11,7 @@ here:
   adapter that could not adapt): the innermost traceback frame that is not in a
   tool the plugin calls (the standard library, numpy, packaging) lies in this package;
 - an exception the installed code (vLLM, vllm-omni, a backend) raised and the check
-  let through stays a clause failure, as before: the installed code misbehaved.
+  let through stays a clause failure: the installed code misbehaved.
 
 A harness fault becomes status ``error`` with its kind, never a failure blamed on a
 backend, and no xfail entry absorbs it unless the entry says so.

@@ -323,7 +323,7 @@ def report_lock(path: str | Path, *, shared: bool = False) -> Iterator[bool]:
     except OSError:
         if not shared:
             raise
-        fd = -1  # no lock file (or not ours to open): read as before locking existed
+        fd = -1  # no lock file (or not ours to open): read without the lock
     if fd < 0:
         yield False
         return

@@ -4,8 +4,8 @@ A :class:`ClauseFailure` is the contract's verdict, not a bug in the code that r
 its message names the clause, the backend, the case, what was expected and what happened.
 pytest's long traceback would run through the suite's test function and ``run_check`` into
 the check, quoting each frame's source, and building it is most of what a failing (or
-xfailed: pytest renders it before the xfail marker decides) test costs beyond its check,
-~35 ms a test on 2 cores, 47 of them on the shipped stack.  Under pytest's default
+xfailed: pytest renders it before the xfail marker decides) test costs beyond its check.
+Under pytest's default
 ``--tb=auto`` a suite test's clause failure reads as ``pytest.fail(..., pytrace=False)``
 does, plus one line naming where the check raised it.  ``--tb=long`` (or any other
 style) and ``--full-trace`` get pytest's own rendering, and every other exception (a

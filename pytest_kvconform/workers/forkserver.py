@@ -2,10 +2,10 @@
 
 multiprocessing's ``forkserver`` start method, with a preload: one server process,
 started by the test process, imports the workers' modules once; every worker is
-then forked from it in well under a second instead of importing them again (~10 s
-idle, 20-45 s loaded).  The server only *imports*: it never loads plugins, builds a
-config or touches CUDA (each worker does those itself after the fork), and it is
-used only for ``"cpu"`` placements (``workers/pool.py`` spawns GPU workers, as before).
+then forked from it in well under a second instead of importing them again
+(benchmarks/RESULTS.md, "KV-A workers").  The server only *imports*: it never loads
+plugins, builds a config or touches CUDA (each worker does those itself after the fork),
+and it is used only for ``"cpu"`` placements (``workers/pool.py`` spawns GPU workers).
 
 The server is one per process (a ``multiprocessing`` global), so it is shared by the
 pools of pytester's inline runs; :func:`acquire` / :func:`release` count its users

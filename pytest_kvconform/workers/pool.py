@@ -6,11 +6,12 @@ uniproc topology, or a multiproc executor that spawns its own worker processes),
 or one rank's worker when the control plane runs in the test process
 (``workers/deployment.py``).  Nothing pinned in the test process leaks into it: its configs
 start unpinned, and a rank's configs cross the process boundary as the executor's
-frames.  Importing vLLM / vllm-omni costs ~10 s idle (20-45 s loaded), so:
+frames.  Importing vLLM / vllm-omni takes seconds (benchmarks/RESULTS.md, "KV-A
+workers"), so:
 
 - a CPU worker is forked from a fork server (``workers/forkserver.py``, multiprocessing's
-  ``forkserver`` method) that imported the preload once: a worker starts in under
-  a second, not ~10 s.  The server only imports; each worker still loads the
+  ``forkserver`` method) that imported the preload once: a worker starts with a fork, not
+  an import.  The server only imports; each worker still loads the
   plugins, sets its stderr and ties itself to the test process itself, and gets the
   test process's environment at start (not the server's).  The server is started
   before collection (``KvWorkers.speculate``), so its imports overlap discovery.
@@ -73,10 +74,10 @@ from pytest_kvconform.workers.protocol import (
 
 _STDERR_TAIL_CHARS = 4000
 # Forked CPU workers per rank a placement may hold: one set runs a deployment while the
-# others tear their last ones down (``WorkerHandle.release_later``).  A teardown takes
-# ~0.16 s of waiting (0.016 s CPU) against ~0.05 s for a deployment, so with two sets the
-# test process waited 1.5-1.7 s a serial run for teardowns; with up to four, ~0.02 s.  A
-# set is started only once every other is busy, and a forked worker holds ~50 MiB of its own.
+# others tear their last ones down (``WorkerHandle.release_later``).  A teardown is mostly
+# waiting, and takes longer than a deployment, so with fewer sets the test process waits for
+# teardowns.  A set is started only once every other is busy; each forked worker holds some
+# memory of its own.
 SPARE_SETS = 4
 
 
@@ -170,7 +171,7 @@ class WorkerHandle:
         self.preload = tuple(preload)
         self.method = start_method(self.placement)
         if self.method == "forkserver" and not forkserver.start(server_preload(preload)):
-            self.method = "spawn"  # no server here (another thread): spawn, as before
+            self.method = "spawn"  # no server here (another thread): spawn
         self.conn, child_conn = multiprocessing.Pipe(duplex=True)
         # The parent holds the lifeline's only write end: EOF in the child = parent gone.
         lifeline, self._lifeline = multiprocessing.Pipe(duplex=False)
@@ -379,8 +380,8 @@ class WorkerHandle:
         """Whether :meth:`release_later` applies: a forked CPU worker.
 
         Its release is production's deployment teardown (``DiffusionWorker.shutdown``),
-        mostly gloo process groups waiting on their own transport's clock, ~0.1 s a
-        deployment; nothing a later check measures depends on it.  A GPU worker's release
+        mostly gloo process groups waiting on their own transport's clock; nothing a later
+        check measures depends on it.  A GPU worker's release
         returns device memory the next check may measure, so it is waited for.
         """
         return self.method == "forkserver" and not self.device.startswith("cuda")
@@ -408,7 +409,7 @@ class WorkerHandle:
 
         A teardown that raised is left at that (the next deployment starts with its own
         release); a worker that died or hung in it is killed and replaced on the pool's
-        next request, as before.
+        next request, as any dead or hung worker is.
         """
         while self._owed and (block or self.conn.poll()):
             what = self._owed.pop(0)
@@ -779,7 +780,7 @@ class KvWorkers:
         return placements if isinstance(placements, Unplaceable) else pool().get(placements)
 
     def prestart(self, n: int) -> None:
-        """Start up to n workers now, so their ~20 s imports overlap other work."""
+        """Start up to n workers now, so their imports overlap other work."""
         for size in range(n, 0, -1):
             placements = rank_placements(size, self.device, self.gpu_ids)
             if not isinstance(placements, Unplaceable):

@@ -56,7 +56,7 @@ PRELOAD: tuple[str, ...] = (
     "vllm.distributed.device_communicators.shm_broadcast",
     "vllm.v1.worker.gpu.attn_utils",
     # Imported by production's model loading and engine in every deployment: once here
-    # instead of at each forked worker's first deployment (~17 ms each, measured).
+    # instead of at each forked worker's first deployment.
     "vllm_omni.diffusion.model_loader.host_weights",
     "vllm_omni.diffusion.diffusion_engine",
     LOAD_PLUGINS,
