@@ -552,7 +552,10 @@ def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
     if startup:
         notes.append("production would not start: " +
                      "; ".join(describe_startup_failure(f) for f in startup))
-    results = in_scope(results, scope_of(selection))
+    scope = scope_of(selection)
+    results = in_scope(results, scope)
+    if scope is not None and not results:
+        notes.append(f"no result of {', '.join(scope)}'s own ran")
     notes += result_notes(results)
     missing = left_out(_scoped_selection(selection))
     if missing and verdict != "qualified":

@@ -1,0 +1,156 @@
+"""Whom a result speaks for: a backend-scoped run's verdict and exit status are its backends'.
+
+A backend repository runs ``pytest --kv-conformance --kv-backend NAME``.  Its verdict is
+judged on the backend's own results (KV-L1..L7, KV-A1..A3, A5, A6 on its class); the
+serving stack's (seam controls, KV-S, KV-N, and its guards KV-L8 / KV-A4 on the backend)
+are reported apart: the shipped known findings listed, anything else the stack's regression
+(exit 6).  A backend whose declaration (KV-L1) fails has that named first, with what
+depends on it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from pytest_kvconform.adapters import plants
+from pytest_kvconform.report.verdict import EXIT_STACK_REGRESSED
+from tests.conftest import needs_omni
+from tests.seeding import Seeder, literal
+
+pytestmark = needs_omni
+
+BACKENDS = '''
+from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
+
+
+class Conforms(SDPABackend):
+    supports_paged_kv = True
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "MY_ATTN"
+
+
+class Slip(SDPABackend):
+    """The declaration written as an instance method: not callable on the class."""
+
+    supports_paged_kv = True
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "MY_SLIP"
+
+    def indexes_kv_by_block_stride(self) -> bool:
+        return False
+'''
+CONFTEST = '''
+def pytest_kvconform_backends(config):
+    return {"MY_ATTN": "my_backends:Conforms", "MY_SLIP": "my_backends:Slip"}
+'''
+STRIDES = "(kv_s1 and bf16_h8 and BLNHC)"
+
+
+@pytest.fixture
+def repo(pytester: pytest.Pytester) -> pytest.Pytester:
+    """A pytester directory registering a conforming backend and a slipped one."""
+    pytester.makepyfile(my_backends=BACKENDS)
+    pytester.makeconftest(CONFTEST)
+    pytester.syspathinsert()
+    return pytester
+
+
+def _report(pytester: pytest.Pytester) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((pytester.path / "r.json").read_text())
+    return data
+
+
+def test_the_shipped_findings_apply_without_naming_a_file(repo: pytest.Pytester,
+                                                          kv_run: Any) -> None:
+    """--kv-xfails auto: the stack's known finding on the backend is an xfail, listed under
+    the stack and as biting the backend; the backend's own results decide the exit."""
+    result = kv_run("--kv-backend", "MY_ATTN", "-k", "kv_l1 or kv_l2 or kv_l8_alias",
+                    "--kv-xfails", "auto", "--kv-report", "r.json")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+    result.assert_outcomes(passed=2, xfailed=1)
+    result.stdout.fnmatch_lines([
+        "kvconform: known findings: pytest_kvconform/known/vllm_omni_0_30.toml (shipped; "
+        "written for the installed vllm 0.30.0, vllm-omni 0.30.0)",
+        "kvconform: verdict for MY_ATTN: partial (left out: -k *",
+        "kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 1 known finding result listed, "
+        "no regression",
+        "kvconform: MY_ATTN is bitten in production by the stack's findings: KV-L8 "
+        "test_kv_l8_alias (known: vllm_omni_0_30.toml:1 */KV-L8/test_kv_l8_alias)"])
+    data = _report(repo)
+    subjects = {r["nodeid"].rpartition("::")[2]: r["subject"] for r in data["results"]}
+    assert subjects == {"test_kv_l1[MY_ATTN]": "backend", "test_kv_l2[MY_ATTN]": "backend",
+                        "test_kv_l8_alias[MY_ATTN]": "stack"}
+    assert data["stack"]["known"] == ["kvconform/test_layout.py::test_kv_l8_alias[MY_ATTN]"]
+    assert data["environment"]["options"]["xfails"].endswith("known/vllm_omni_0_30.toml")
+
+
+def test_none_switches_the_shipped_findings_off(repo: pytest.Pytester, kv_run: Any) -> None:
+    result = kv_run("--kv-backend", "MY_ATTN", "-k", "kv_l1 or kv_l8_alias",
+                    "--kv-xfails", "none")
+    result.stdout.fnmatch_lines(["kvconform: known findings: none (--kv-xfails none)"])
+    result.assert_outcomes(passed=1, failed=1)
+    # The stack's failure, not the backend's.
+    assert result.ret == EXIT_STACK_REGRESSED, result.stdout.str()[-3000:]
+
+
+def test_a_scoped_run_without_the_backends_results_says_so(repo: pytest.Pytester,
+                                                            kv_run: Any) -> None:
+    result = kv_run("--kv-backend", "MY_ATTN", "-k", STRIDES)
+    result.assert_outcomes(passed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["kvconform: verdict for MY_ATTN: not qualified (no result of "
+                                 "MY_ATTN's own ran; left out: *"])
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["clean", "hand_strides"])
+def test_a_stack_regression_is_the_stacks(repo: pytest.Pytester, kv_run: Any, seed: Seeder,
+                                          seeded: bool) -> None:
+    """A stride derivation the stack gets wrong, which no shipped finding describes: the
+    stack's regression (exit 6), never the backend's failure."""
+    if seeded:
+        seed.plant(plants.HAND_STRIDES)
+    result = kv_run("--kv-backend", "MY_ATTN", "-k", f"kv_l1 or {STRIDES}",
+                    "--kv-xfails", "auto", "--kv-report", "r.json")
+    data = _report(repo)
+    assert data["verdict"] == "partial"  # -k: the backend's results all passed
+    if not seeded:
+        assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+        assert data["stack"]["regressions"] == []
+        return
+    assert result.ret == EXIT_STACK_REGRESSED, result.stdout.str()[-3000:]
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "kvconform: verdict for MY_ATTN: partial (left out: -k *",
+        literal("kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 0 known finding results "
+                "listed, 1 regression no known finding describes: KV-S1 "
+                "test_kv_s1[BLNHC-bf16_h8]")])
+    assert data["stack"]["regressions"] == [
+        "kvconform/test_strides.py::test_kv_s1[BLNHC-bf16_h8]"]
+
+
+def test_a_failed_declaration_is_the_root_cause(repo: pytest.Pytester, kv_run: Any) -> None:
+    """KV-L1 fails for the slipped backend; its other failures, the stack's guards on it
+    included, are reported as depending on it, KV-L1 first, and the stack is not blamed."""
+    result = kv_run("--kv-backend", "MY_SLIP", "-k", "kv_l1 or kv_l2 or kv_l5 or kv_l8_alias",
+                    "--kv-xfails", "auto", "--kv-report", "r.json")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
+    data = _report(repo)
+    failed = [r for r in data["results"] if r["status"] == "failed"]
+    assert {r["clause"] for r in failed} == {"KV-L1", "KV-L2", "KV-L5", "KV-L8"}, failed
+    assert {r["nodeid"].rpartition("::")[2]: r["depends_on"] for r in failed} == {
+        "test_kv_l1[MY_SLIP]": None, "test_kv_l2[MY_SLIP]": "KV-L1",
+        "test_kv_l5_unresolved[MY_SLIP]": "KV-L1", "test_kv_l5_consistent[MY_SLIP]": "KV-L1",
+        "test_kv_l5_contradiction[MY_SLIP]": "KV-L1", "test_kv_l8_alias[MY_SLIP]": "KV-L1"}
+    assert data["verdict"] == "not qualified"
+    assert data["stack"]["regressions"] == []
+    result.stdout.fnmatch_lines([literal(
+        "kvconform: verdict for MY_SLIP: not qualified (MY_SLIP: KV-L1 failed (root cause): "
+        "KV-L1 test_kv_l1[MY_SLIP]; 5 results depend on it: KV-L2 test_kv_l2[MY_SLIP], KV-L5 "
+        "test_kv_l5_unresolved[MY_SLIP], ") + "*"])
