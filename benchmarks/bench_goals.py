@@ -8,6 +8,8 @@ Run in the default environment:  python benchmarks/bench_goals.py [--label L] [-
   ``floor_quiet``: the same with ``HUMMING_DISABLE_PARALLEL_BUILD=1`` (that import starts two
   background kernel builds, each a Python process of its own, which the suite turns off);
 - ``serial`` / ``xdist2``: the full ``pytest --kv-conformance`` suite, serial and ``-n 2``;
+  ``scoped``: a backend repository's run, ``--kv-backend FLASH_ATTN`` (the in-tree backend
+  production serves paged KV with), serial;
   ``serial_baseline``: with ``--baseline DIR``, the serial suite again with the plugin
   another checkout holds (say, main), in the same rounds, for a before / after under the
   same load;
@@ -22,7 +24,7 @@ Run in the default environment:  python benchmarks/bench_goals.py [--label L] [-
   latter less disturbed by whatever else the machine runs).
 
 The load average is recorded with every row (the machine is shared).  No timed assertions:
-this only measures and appends a table to benchmarks/RESULTS.md.
+this only measures and appends a table to benchmarks/raw.md (untracked).
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def main() -> int:
     parser.add_argument("--baseline", default=None, metavar="DIR",
                         help="a checkout of this repository whose plugin each round also "
                         "runs the serial suite with (serial_baseline)")
-    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("RESULTS.md")))
+    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("raw.md")))
     args = parser.parse_args()
     py = sys.executable
     pytest = [py, "-m", "pytest", "-p", "no:cacheprovider", "-q"]
@@ -135,7 +137,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         rounds: dict[str, list[float]] = {"floor": [], "floor_quiet": [], "serial": [],
-                                          "xdist2": [], "serial_baseline": []}
+                                          "xdist2": [], "serial_baseline": [], "scoped": []}
         base = os.path.abspath(args.baseline) if args.baseline else None
         for i in range(args.suite_repeat):
             tag = f" #{i + 1}" if args.suite_repeat > 1 else ""
@@ -149,8 +151,11 @@ def main() -> int:
             for name, extra in serials:
                 rounds[name].append(measure(name + tag, suite, tmp, **extra))
             rounds["xdist2"].append(measure("xdist2" + tag, [*suite, "-n", "2"], tmp))
-        floor, quiet, serial, xdist2 = (statistics.median(rounds[k]) for k in
-                                        ("floor", "floor_quiet", "serial", "xdist2"))
+            rounds["scoped"].append(measure("scoped" + tag,
+                                            [*suite, "--kv-backend", "FLASH_ATTN"], tmp))
+        floor, quiet, serial, xdist2, scoped = (
+            statistics.median(rounds[k]) if rounds[k] else float("nan")
+            for k in ("floor", "floor_quiet", "serial", "xdist2", "scoped"))
         baseline = statistics.median(rounds["serial_baseline"]) if base else float("nan")
         if args.suite_repeat > 1:
             for name, values in rounds.items():
@@ -199,6 +204,7 @@ def main() -> int:
         ("serial / quiet import floor", serial / quiet, "(<= 1.6)"),
         (f"baseline serial / import floor ({args.baseline})", baseline / floor, "(<= 1.6)"),
         ("-n 2 / serial", xdist2 / serial, "<= 1.0"),
+        ("backend-scoped (--kv-backend FLASH_ATTN) / import floor", scoped / floor, "<= 1.3"),
         ("extra adoption case / worker start", per_case / start_s, "<= 0.02"),
         ("plugin off / -p no:kvconform", off / none, "<= 1.02"),
         ("plugin off / -p no:kvconform, CPU seconds", off_cpu / none_cpu, "(<= 1.02)"),

@@ -10,7 +10,7 @@ its wall time, the preparation (imports, plugins, discovery, the KV-A workers' f
 the seeded runs' time by family (each fault's child, seeding to last result), the verdict,
 and the load average when it started (the machine is shared).  For comparison, the notes
 give what one fresh interpreter per fault and per baseline would cost at the measured
-preparation time.  Results are appended to benchmarks/RESULTS.md.  No timed assertions.
+preparation time.  Results are appended to benchmarks/raw.md (untracked).  No timed assertions.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, action="append", help="runs at once (repeatable; "
                         "default: 1 and 2)")
     parser.add_argument("-n", "--repeats", type=int, default=1)
-    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("RESULTS.md")))
+    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("raw.md")))
     args = parser.parse_args()
     rows, prepares, runs = [], [], 0
     versions: dict[str, object] = {}

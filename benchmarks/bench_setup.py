@@ -7,7 +7,7 @@ uv's, pip's, and any environment directory kept under ~/.cache), installs the gi
 command does before its first test.  A second clone then builds the same environment with
 the caches the first left (a user's second clone, or CI's next run).  Disk is counted with
 ``du`` over the clones and HOME together, so a file hardlinked from uv's cache into an
-environment counts once.  Results are appended to benchmarks/RESULTS.md.  No timed
+environment counts once.  Results are appended to benchmarks/raw.md (untracked).  No timed
 assertions: this only measures.
 """
 
@@ -73,7 +73,7 @@ def main() -> int:
                              "default: tox==4.67.17 tox-uv==1.37.1")
     parser.add_argument("--env", default="py311-vllm030")
     parser.add_argument("--note", default="")
-    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("RESULTS.md")))
+    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("raw.md")))
     args = parser.parse_args()
     specs = args.tox or ["tox==4.67.17", "tox-uv==1.37.1"]
     rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.rev],

@@ -4,7 +4,7 @@ Run in the default environment:  python benchmarks/bench_startup.py [-o FILE]
 Each case is a fresh ``pytest --kv-conformance`` process that must end in a usage error
 (exit 4) at start-up; the table records its wall time and whether torch / vllm /
 vllm_omni were imported by then (a conftest writes ``sys.modules`` at unconfigure).
-Results are appended to benchmarks/RESULTS.md.  No timed assertions: this only measures.
+Results are appended to benchmarks/raw.md (untracked).  No timed assertions: this only measures.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def cases(tmp: Path) -> dict[str, list[str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("RESULTS.md")))
+    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("raw.md")))
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as name:

@@ -3,7 +3,7 @@
 Run in the default environment:  python benchmarks/bench_suite.py [--xdist N] [-o FILE]
 Each selection runs in a fresh ``pytest --kv-conformance`` process (imports included), so
 the numbers are what a user sees.  Results are appended as a Markdown table to
-benchmarks/RESULTS.md (or -o FILE).  No timed assertions: this only measures.
+benchmarks/raw.md (untracked; or -o FILE).  No timed assertions: this only measures.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def run(args: list[str], xdist: int) -> tuple[float, int, int, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--xdist", type=int, default=0, help="also pass -n N")
-    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("RESULTS.md")))
+    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("raw.md")))
     parser.add_argument("--only", action="append", help="run only these selection names")
     args = parser.parse_args()
     rows = []

@@ -17,7 +17,7 @@ of the run's processes (sampled: ``faultkit.PeakRss``); a missing report is a ru
 asked for one and has none that loads and validates.  Each run has its own $TMPDIR: the
 run's directories there (``kvconform-*``, ``pymp-*``) are counted when it ended and again
 after the start-up sweep a next run does (``tempdirs.sweep``: what SIGKILL leaves goes
-then).  Results are appended to benchmarks/RESULTS.md (or -o FILE).  No timed assertions.
+then).  Results are appended to benchmarks/raw.md (untracked) (or -o FILE).  No timed assertions.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--only", action="append", choices=sorted(faultkit.SCENARIOS),
                         help="run only this scenario (repeatable)")
-    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("RESULTS.md")))
+    parser.add_argument("-o", "--output", default=str(Path(__file__).with_name("raw.md")))
     args = parser.parse_args()
     names = args.only or list(faultkit.SCENARIOS)
     stats = {n: {"runs": 0, "rc_ok": 0, "missing_reports": 0, "leaked": 0, "seconds": 0.0,

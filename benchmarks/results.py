@@ -1,4 +1,5 @@
-"""Appending a dated section to benchmarks/RESULTS.md: one helper for every benchmark."""
+"""Appending a dated section to a raw results file (default benchmarks/raw.md, untracked):
+one helper for every benchmark.  benchmarks/RESULTS.md keeps the current tables."""
 
 from __future__ import annotations
 
