@@ -150,6 +150,12 @@ def test_a_failed_declaration_is_the_root_cause(repo: pytest.Pytester, kv_run: A
         "test_kv_l5_contradiction[MY_SLIP]": "KV-L1", "test_kv_l8_alias[MY_SLIP]": "KV-L1"}
     assert data["verdict"] == "not qualified"
     assert data["stack"]["regressions"] == []
+    result.stdout.fnmatch_lines([
+        "*- kvconform: root cause -*",
+        "depends on KV-L1, which failed for MY_SLIP: its other results use the declaration, so "
+        "fix that first",
+        literal("FAILED kvconform/test_layout.py::test_kv_l2[MY_SLIP] - depends on KV-L1") + "*"])
+    assert "depends_on" not in result.stdout.str()
     result.stdout.fnmatch_lines([literal(
         "kvconform: verdict for MY_SLIP: not qualified (MY_SLIP: KV-L1 failed (root cause): "
         "KV-L1 test_kv_l1[MY_SLIP]; 5 results depend on it: KV-L2 test_kv_l2[MY_SLIP], KV-L5 "

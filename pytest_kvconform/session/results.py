@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.adapters import run_env
-from pytest_kvconform.contract.clauses import clause_from_test_name, subject_of
+from pytest_kvconform.contract.clauses import ROOT_CLAUSE, clause_from_test_name, subject_of
 from pytest_kvconform.contract.outcome_rule import ERROR_KIND_PROPERTY, harness_kind
 from pytest_kvconform.contract.outcomes import (
     ClauseFailure,
@@ -68,6 +68,7 @@ class KvResults:
         self.verdict_line = ""
         self.stack_lines: list[str] = []  # the stack's line, and what bites each backend
         self.other_failures = 0  # failed reports of tests beside the suite (a repo's own)
+        self._declaration_failed: set[str] = set()  # backends whose KV-L1 failed here
         self.report_error: str | None = None
         self.report_line = ""
         # pytest_sessionstart finished, so pytest_sessionfinish will come; until then an
@@ -137,7 +138,21 @@ class KvResults:
                 _declared_by(report, found)
         elif getattr(report, "wasxfail", None) is not None and call.excinfo is not None:
             self._known_failure(item, report, _problems(call.excinfo.value))
+        if report.failed:
+            self._depends_on_declaration(item, report)
         return report
+
+    def _depends_on_declaration(self, item: pytest.Item, report: pytest.TestReport) -> None:
+        """A failure of a backend whose declaration (KV-L1) already failed in this process
+        says it depends on it (the verdict groups them whatever the order)."""
+        props = dict(item.user_properties)
+        backend, clause = props.get("kv_backend"), props.get("kv_clause")
+        if backend not in self._declaration_failed or clause == ROOT_CLAUSE:
+            return
+        note = f"depends on {ROOT_CLAUSE}, which failed for {backend}"
+        report.sections.append(("kvconform: root cause", f"{note}: its other results use the "
+                                "declaration, so fix that first"))
+        _prefix_crash(report, note)
 
     # A known finding absorbs only the outcome it describes: the one place that decides.
 
@@ -190,6 +205,8 @@ class KvResults:
         row = result_row(report)
         if row is not None:
             self.rows.append(row)
+            if row.clause == ROOT_CLAUSE and row.status in ("failed", "error") and row.backend:
+                self._declaration_failed.add(row.backend)
         elif report.failed:
             self.other_failures += 1
 
@@ -466,6 +483,11 @@ def _differs(report: pytest.TestReport, entry: Any) -> None:
     note = (f"differs from known finding {entry.describe()} (it expects "
             f"{entry.expectation()})")
     report.sections.append(("kvconform: known finding", f"{note}: {entry.reason}"))
+    _prefix_crash(report, note)
+
+
+def _prefix_crash(report: pytest.TestReport, note: str) -> None:
+    """``note`` before a failure's crash line (the short summary, the report's reason)."""
     crash = getattr(report.longrepr, "reprcrash", None)
     if crash is not None:
         report.longrepr.reprcrash = dataclasses.replace(  # type: ignore[union-attr]
