@@ -15,11 +15,15 @@ from typing import Any
 from pytest_kvconform.contract.clauses import clause_sort_key
 from pytest_kvconform.report.verdict import (
     STATUSES,
+    bites,
     describe_startup_failure,
     describe_uncovered,
+    in_scope,
     interruption_of,
     left_out,
     result_notes,
+    scope_of,
+    stack_record,
 )
 
 UPSTREAM_ROW = "(upstream)"
@@ -191,7 +195,44 @@ def device_text(device: Mapping[str, Any]) -> str:
 
 def _verdict_line(report: Mapping[str, Any]) -> str:
     mode = "strict" if report["summary"]["strict"] else "non-strict"
-    return f"**Verdict: {report['verdict']}** ({mode})"
+    scope = scope_of(report["selection"])
+    whom = f" for {', '.join(scope)}" if scope else ""
+    return f"**Verdict{whom}: {report['verdict']}** ({mode})"
+
+
+def _subject_lines(report: Mapping[str, Any]) -> list[str]:
+    """Whom the results speak for: the backends' own and the stack's, counted; the stack's
+    known findings, regressions and fixes; what of the stack bites each named backend."""
+    results = report["results"]
+    env = report["environment"]
+    counts: dict[str, dict[str, int]] = {}
+    for r in results:
+        subject = r.get("subject") or "stack"
+        counts.setdefault(subject, {}).setdefault(r["status"], 0)
+        counts[subject][r["status"]] += 1
+    lines = ["", "## Subjects", ""]
+    scope = scope_of(report["selection"])
+    lines.append("The verdict speaks for " + (
+        f"{', '.join(scope)}: its own results (the backend's subject)." if scope else
+        "the whole deployment: every result, the backends' and the stack's."))
+    lines.append("")
+    lines += markdown_table(["subject", "results"], [
+        (subject, ", ".join(f"{n} {status}" for status, n in sorted(by.items())))
+        for subject, by in sorted(counts.items())])
+    stack = report.get("stack") or stack_record(results)
+    lines += ["", f"The stack (vLLM {env['vllm'] or 'not installed'}, vllm-omni "
+              f"{env['vllm_omni'] or 'not installed'}): {len(stack['known'])} known finding "
+              f"results listed; {len(stack['regressions'])} regressions no known finding "
+              f"describes; {len(stack['fixed'])} known findings that no longer fail."]
+    for title, key in (("Regressions", "regressions"), ("No longer failing", "fixed")):
+        if stack[key]:
+            lines += ["", f"{title}:", ""] + [f"- `{nodeid}`" for nodeid in stack[key]]
+    for backend in scope or ():
+        found = bites(results, backend)
+        if found:
+            lines += ["", f"The stack's findings that bite {backend} in production:", ""]
+            lines += [f"- {md_escape(f)}" for f in found]
+    return lines
 
 
 def _completeness_lines(report: Mapping[str, Any]) -> list[str]:
@@ -264,10 +305,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if report["summary"]["blocking"]:
         lines += ["", "Blocking results:", ""]
         lines += [f"- `{nodeid}`" for nodeid in report["summary"]["blocking"]]
-    by_control = result_notes(report["results"])
+    by_control = result_notes(in_scope(report["results"], scope_of(report["selection"])))
     if by_control:
         lines += ["", "By control (one suite test each):", ""]
         lines += [f"- {md_escape(note)}" for note in by_control]
+    lines += _subject_lines(report)
     lines += ["", "## Environment", ""]
     env_rows: list[tuple[str, Any]] = [
         (key, env[key] if env[key] is not None else "not installed")
