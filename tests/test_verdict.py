@@ -39,8 +39,6 @@ def test_complete_run_qualifies() -> None:
      "-k 'kv_l1' deselected 256 of 258 suite tests"),
     ({"markexpr": "slow", "collected": 3, "selected": 2}, "-m 'slow' deselected 1 of 3"),
     ({"collected": 3, "selected": 2}, "deselection (--deselect, --lf or a plugin) deselected 1"),
-    ({"excluded_backends": ["FLASH_ATTN", "SAGE"]},
-     "--kv-backend left out 2 backend(s): FLASH_ATTN, SAGE"),
     ({"paths": ["suite/test_layout.py"]}, "collection narrowed to suite/test_layout.py"),
     ({"collected": None, "selected": None}, "number of suite tests collected was not reported"),
 ])
@@ -53,6 +51,26 @@ def test_left_out_parts_make_the_run_partial(selection: dict[str, Any], phrase: 
     report["verdict"] = "qualified"  # as a hand edit would
     with pytest.raises(rp.ReportError, match=r"'qualified' but the results give 'partial'"):
         rp.validate_report(report)
+
+
+def test_a_backend_scoped_run_is_judged_on_its_backends_own_results() -> None:
+    """--kv-backend leaving others out scopes the verdict: the named backend's own results
+    decide it; the stack's (a seam control, an upstream clause) are reported apart."""
+    own = row("s.py::test_kv_l1[GOOD]", "KV-L1", backend="GOOD")
+    seam = row("s.py::test_kv_l6_seam[need_True]", "KV-L6", "failed", backend="need_True")
+    upstream = row("s.py::test_kv_s1[LBNHC-c]", "KV-S1", "failed", backend=None)
+    report = build([own, seam, upstream], excluded_backends=["FLASH_ATTN", "SAGE"])
+    assert report["verdict"] == "qualified"
+    assert [r["subject"] for r in report["results"]] == ["backend", "stack", "stack"]
+    assert report["stack"]["regressions"] == [seam["nodeid"], upstream["nodeid"]]
+    text = rp.verdict_text(report["verdict"], [], report["selection"], report["run"],
+                           report["results"])
+    assert text == "qualified"
+    assert "**Verdict for GOOD: qualified** (strict)" in rp.render_markdown(report)
+    # The same results as a whole deployment: the stack's failures are the verdict's.
+    assert build([own, seam, upstream])["verdict"] == "not qualified"
+    failing = row("s.py::test_kv_l2[GOOD]", "KV-L2", "failed", backend="GOOD")
+    assert build([own, failing, seam], excluded_backends=["SAGE"])["verdict"] == "not qualified"
 
 
 def _t(test: str, params: str, status: str, clause: str, **extra: Any) -> dict[str, Any]:
@@ -503,8 +521,9 @@ def test_k_selected_strict_run_is_partial(pytester: pytest.Pytester, kv_run: Any
     assert result.ret == pytest.ExitCode.TESTS_FAILED  # everything that ran passed
     result.assert_outcomes(passed=1)
     _summary_printed(result)
-    result.stdout.fnmatch_lines(["*kvconform: verdict: partial (left out: -k 'kv_l1' deselected "
-                                 "* of * suite tests; --kv-backend left out * backend(s): *"])
+    # Scoped to GOOD (--kv-backend): the backends left out do not make it partial, -k does.
+    result.stdout.fnmatch_lines(["*kvconform: verdict for GOOD: partial (left out: -k 'kv_l1' "
+                                 "deselected * of * suite tests)"])
     data = json.loads((pytester.path / "out" / "r.json").read_text())
     rp.validate_report(data)
     assert data["verdict"] == "partial"
@@ -516,7 +535,7 @@ def test_k_selected_strict_run_is_partial(pytester: pytest.Pytester, kv_run: Any
     # Without --kv-strict the verdict is the same; the exit code is pytest's.
     lenient = kv_run(*KV_L1)
     assert lenient.ret == pytest.ExitCode.OK
-    lenient.stdout.fnmatch_lines(["*kvconform: verdict: partial*"])
+    lenient.stdout.fnmatch_lines(["*kvconform: verdict*: partial*"])
 
 
 @needs_omni
@@ -526,7 +545,7 @@ def test_interrupted_run_says_interrupted(pytester: pytest.Pytester) -> None:
                                 "OTHER", "--kv-report", "r.md", no_reraise_ctrlc=True)
     assert result.ret == pytest.ExitCode.INTERRUPTED
     _summary_printed(result)
-    result.stdout.fnmatch_lines(["*kvconform: verdict: interrupted (interrupted: "
+    result.stdout.fnmatch_lines(["*kvconform: verdict*: interrupted (interrupted: "
                                  "KeyboardInterrupt*"])
     data = json.loads((pytester.path / "r.json").read_text())  # .md understood
     rp.validate_report(data)
@@ -580,7 +599,7 @@ def test_ctrl_c_before_collection_warns_of_no_stale_entry(pytester: pytest.Pytes
     result = pytester.runpytest(*KV_ARGS, "--kv-xfails", str(known), "--kv-report", "r.json",
                                 no_reraise_ctrlc=True)
     assert result.ret == pytest.ExitCode.INTERRUPTED
-    result.stdout.fnmatch_lines(["*kvconform: verdict: interrupted (interrupted: "
+    result.stdout.fnmatch_lines(["*kvconform: verdict*: interrupted (interrupted: "
                                  "KeyboardInterrupt*"])
     assert "stale xfail entry" not in result.stdout.str()
     rp.validate_report(json.loads((pytester.path / "r.json").read_text()))
@@ -607,7 +626,7 @@ def test_maxfail_stop_is_interrupted(pytester: pytest.Pytester, kv_run: Any) -> 
     result = kv_run("-x", "-k", "kv_l1 or kv_l2", "--kv-backend", "GOOD", "--kv-strict")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     _summary_printed(result)
-    result.stdout.fnmatch_lines(["*kvconform: verdict: interrupted (interrupted: stopping after "
+    result.stdout.fnmatch_lines(["*kvconform: verdict*: interrupted (interrupted: stopping after "
                                  "1 failures*"])
 
 
@@ -627,7 +646,7 @@ def test_plugin_bug_is_an_error_never_a_failure(pytester: pytest.Pytester, kv_ru
     result.assert_outcomes(failed=1)  # the xfail entry did not absorb it
     _summary_printed(result)
     result.stdout.fnmatch_lines(["GOOD *E", "*1 harness error(s) (harness): the harness failed, "
-                                 "not the backend*", "*verdict: not qualified*"])
+                                 "not the backend*", "*verdict*: not qualified*"])
     (row_,) = json.loads((pytester.path / "r.json").read_text())["results"]
     assert (row_["status"], row_["error_kind"]) == ("error", "harness")
     assert "TypeError" in row_["reason"]
@@ -732,7 +751,7 @@ def pytest_sessionfinish(session):
     assert result.ret == pytest.ExitCode.TESTS_FAILED  # the test passed; the report is lost
     result.assert_outcomes(passed=1)
     _summary_printed(result)
-    result.stdout.fnmatch_lines(["*kvconform: verdict: partial*",
+    result.stdout.fnmatch_lines(["*kvconform: verdict*: partial*",
                                  "*kvconform: ERROR: the report could not be written to "
                                  "out/r.json: File exists: *out*"])
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
@@ -818,10 +837,10 @@ def test_kvconform_run_keeps_the_report_where_asked_or_says_none(
     assert main(["run", "--report", "kept.md", *KV_L1]) == 0
     out = capsys.readouterr().out
     assert (pytester.path / "kept.json").is_file() and (pytester.path / "kept.md").is_file()
-    assert "**Verdict: partial** (non-strict)" in out
+    assert "**Verdict for GOOD: partial** (non-strict)" in out
     assert main(["run", *KV_L1]) == 0
     out = capsys.readouterr().out
-    assert "**Verdict: partial** (non-strict)" in out
+    assert "**Verdict for GOOD: partial** (non-strict)" in out
     assert out.rstrip().endswith("kvconform: no report file kept (pass --report PATH to keep "
                                  "one)")
     assert "report written to" not in out

@@ -240,11 +240,16 @@ def dependents(results: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     """
     results = list(results)
     root = clauses.ROOT_CLAUSE
-    broken = {r.get("backend") for r in results
-              if r.get("clause") == root and r.get("status") in _FAILED and r.get("backend")}
+    broken = {r.get("backend") for r in results if _declaration_failed(r)}
     return {str(r["nodeid"]): root for r in results
             if r.get("backend") in broken and r.get("clause") != root
-            and r.get("status") in _FAILED}
+            and r.get("status") == "failed"}
+
+
+def _declaration_failed(result: Mapping[str, Any]) -> bool:
+    """A backend's declaration failed (a harness error there is the harness's, not it)."""
+    return (result.get("clause") == clauses.ROOT_CLAUSE and result.get("status") == "failed"
+            and bool(result.get("backend")))
 
 
 def with_dependencies(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -260,11 +265,9 @@ def _root_notes(results: Sequence[Mapping[str, Any]], found: Mapping[str, str]) 
     ...``, one per backend whose declaration failed."""
     notes = []
     root = clauses.ROOT_CLAUSE
-    for backend in sorted({str(r["backend"]) for r in results if r["nodeid"] in found}
-                          | {str(r["backend"]) for r in results if r.get("clause") == root
-                             and r.get("status") in _FAILED and r.get("backend")}):
+    for backend in sorted({str(r["backend"]) for r in results if _declaration_failed(r)}):
         mine = [r for r in results if r.get("backend") == backend]
-        roots = [r for r in mine if r.get("clause") == root and r.get("status") in _FAILED]
+        roots = [r for r in mine if _declaration_failed(r)]
         deps = [r for r in mine if r["nodeid"] in found]
         text = f"{backend}: {root} failed (root cause): {_named(roots)}"
         if deps:
@@ -281,10 +284,7 @@ def result_notes(results: Sequence[Mapping[str, Any]]) -> list[str]:
     failed, and xpasses (a known finding now passes)."""
     found = dependents(results)
     notes = _root_notes(results, found)
-    root = clauses.ROOT_CLAUSE
-    rest = [r for r in results if r["nodeid"] not in found
-            and not (r.get("clause") == root and r.get("status") in _FAILED
-                     and r.get("backend"))]
+    rest = [r for r in results if r["nodeid"] not in found and not _declaration_failed(r)]
     notes += _plain_notes(results, rest)
     return notes
 

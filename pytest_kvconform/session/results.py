@@ -205,7 +205,7 @@ class KvResults:
         row = result_row(report)
         if row is not None:
             self.rows.append(row)
-            if row.clause == ROOT_CLAUSE and row.status in ("failed", "error") and row.backend:
+            if row.clause == ROOT_CLAUSE and row.status == "failed" and row.backend:
                 self._declaration_failed.add(row.backend)
         elif report.failed:
             self.other_failures += 1
