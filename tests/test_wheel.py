@@ -1,5 +1,6 @@
 """What users install is the wheel: every module and data file of the source ships in it,
-and every ``kvconform`` command and entry point starts from it.
+every ``kvconform`` command and entry point starts from it, and the tox environments (the
+tests and the main job) run it, not this checkout.
 
 A wheel built from main once lacked ``pytest_kvconform.selftest``: pyproject.toml listed
 the packages by hand, and every test ran an editable install, which imports the checkout.
@@ -9,15 +10,27 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.metadata
 import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import types
 import zipfile
 from pathlib import Path
 
+import pytest
+
+import conformance_cases
+import pytest_kvconform
 from pytest_kvconform import cli
 from tests.wheel_env import (
     PACKAGES,
     REPO,
     WheelEnv,
+    clean_env,
     missing,
     run,
     shipped_files,
@@ -25,6 +38,10 @@ from tests.wheel_env import (
 )
 
 SOURCE = shipped_files(REPO)
+# Rebuilding the environment reinstalls the wheel; setuptools builds it through build/lib,
+# where a file the source no longer has stays and ships again.
+STALE_HINT = ("rebuild: `tox -e <env> --notest` reinstalls the wheel; a file that ships "
+              "although the source lost it is an earlier build's leftover: rm -rf build")
 
 
 def commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -154,3 +171,78 @@ def test_what_each_command_and_entry_point_imports_is_in_the_wheel(
     assert found["entry_points"] >= 3, found  # pytest11, the Omni platform, the script
     outside = [o for o in found["origins"] if not Path(o).is_relative_to(wheel_env.venv)]
     assert found["origins"] and not outside, outside
+
+
+def _installed_here() -> tuple[Path, importlib.metadata.Distribution] | None:
+    """This interpreter's installed pytest-kvconform (its site-packages, not the current
+    directory's egg-info) and where, unless it is an editable install or absent."""
+    purelib = Path(sysconfig.get_path("purelib"))
+    dist = next(iter(importlib.metadata.distributions(path=[str(purelib)],
+                                                      name="pytest-kvconform")), None)
+    if dist is None:
+        return None
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    if direct.get("dir_info", {}).get("editable"):
+        return None
+    return purelib, dist
+
+
+def _compare(module: types.ModuleType) -> list[str]:
+    """How the package this session imported differs from this checkout's source."""
+    imported = Path(str(module.__file__)).resolve().parents[1]
+    ours, theirs = shipped_files(REPO, [module.__name__]), shipped_files(imported,
+                                                                         [module.__name__])
+    found = [f"{imported} lacks {name}" for name in missing(ours, theirs)]
+    found += [f"{imported} has {name}, the checkout has not" for name in missing(theirs, ours)]
+    found += [f"{imported / name} differs from the checkout's" for name in sorted(ours & theirs)
+              if (imported / name).read_bytes() != (REPO / name).read_bytes()]
+    return found
+
+
+def test_this_session_tests_this_checkouts_code() -> None:
+    """Tests read the checkout's source (README, layering) and import the package: where it
+    is the installed wheel (tox), the two must be the same files."""
+    found = [line for module in (pytest_kvconform, conformance_cases) for line in
+             _compare(module)]
+    assert not found, "\n".join([*found, STALE_HINT])
+
+
+ORIGINS_PLUGIN = '''
+import json, os, sys
+
+
+def pytest_collection_finish(session):
+    modules = sorted({m.__file__ for n, m in list(sys.modules.items())
+                      if n.partition(".")[0] in ("pytest_kvconform", "conformance_cases")
+                      and getattr(m, "__file__", None)})
+    with open(os.environ["KVCONFORM_ORIGINS_OUT"], "w") as f:
+        json.dump({"modules": modules, "items": sorted({str(i.path) for i in session.items})},
+                  f)
+'''
+
+
+def test_the_main_job_runs_the_installed_wheel(tmp_path: Path) -> None:
+    """The main job (README) is this environment's ``pytest --kv-conformance`` run from the
+    clone: its plugin, suite and cases must be the installed wheel's, not the clone's, which
+    pytest puts on sys.path to import tests/conftest.py (pyproject.toml: append, not prepend).
+    """
+    installed = _installed_here()
+    if installed is None:
+        pytest.skip("pytest-kvconform is installed editable here, or not at all")
+    purelib, _ = installed
+    script = shutil.which("pytest", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip(f"no pytest script beside {sys.executable}")
+    (tmp_path / "kvconform_origins.py").write_text(textwrap.dedent(ORIGINS_PLUGIN))
+    out = tmp_path / "origins.json"
+    env = {k: v for k, v in clean_env().items() if not k.startswith("KVCONFORM_")}
+    env.update(PYTHONPATH=str(tmp_path), KVCONFORM_ORIGINS_OUT=str(out))
+    done = subprocess.run([script, "--kv-conformance", "--collect-only", "-q", "-p",
+                           "no:cacheprovider", "-p", "kvconform_origins"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert found["items"] and any("conformance_cases" in m for m in found["modules"]), found
+    outside = [p for p in [*found["modules"], *found["items"]]
+               if not Path(p).is_relative_to(purelib)]
+    assert not outside, f"the main job imports from outside {purelib}: {outside}"
