@@ -173,18 +173,16 @@ def test_what_each_command_and_entry_point_imports_is_in_the_wheel(
     assert found["origins"] and not outside, outside
 
 
-def _installed_here() -> tuple[Path, importlib.metadata.Distribution] | None:
-    """This interpreter's installed pytest-kvconform (its site-packages, not the current
-    directory's egg-info) and where, unless it is an editable install or absent."""
+def _installed_here() -> Path | None:
+    """The site-packages holding this interpreter's pytest-kvconform (not the current
+    directory's egg-info), unless it is an editable install or absent."""
     purelib = Path(sysconfig.get_path("purelib"))
     dist = next(iter(importlib.metadata.distributions(path=[str(purelib)],
                                                       name="pytest-kvconform")), None)
     if dist is None:
         return None
     direct = json.loads(dist.read_text("direct_url.json") or "{}")
-    if direct.get("dir_info", {}).get("editable"):
-        return None
-    return purelib, dist
+    return None if direct.get("dir_info", {}).get("editable") else purelib
 
 
 def _compare(module: types.ModuleType) -> list[str]:
@@ -226,10 +224,9 @@ def test_the_main_job_runs_the_installed_wheel(tmp_path: Path) -> None:
     clone: its plugin, suite and cases must be the installed wheel's, not the clone's, which
     pytest puts on sys.path to import tests/conftest.py (pyproject.toml: append, not prepend).
     """
-    installed = _installed_here()
-    if installed is None:
+    purelib = _installed_here()
+    if purelib is None:
         pytest.skip("pytest-kvconform is installed editable here, or not at all")
-    purelib, _ = installed
     script = shutil.which("pytest", path=str(Path(sys.executable).parent))
     if script is None:
         pytest.skip(f"no pytest script beside {sys.executable}")
