@@ -16,6 +16,8 @@ import pytest
 from pytest_kvconform.adapters import run_env
 from pytest_kvconform.workers import devices
 from tests.seeding import Seeder
+from tests.wheel_env import WheelEnv
+from tests.wheel_env import make as make_wheel_env
 
 # This process hosts inline --kv-conformance runs, so it selects the platforms such a run
 # does on a CPU host, before anything imports vLLM (run_env.CPU_DEFAULTS): a run's own
@@ -96,6 +98,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "delivers_signal: the test needs a signal delivered to a process "
         "(tests/test_signal_dispositions.py runs these with SIGINT inherited ignored)")
+
+
+@pytest.fixture(scope="session")
+def wheel_env(tmp_path_factory: pytest.TempPathFactory) -> WheelEnv:
+    """The wheel built from this checkout once per session and installed non-editable in a
+    venv of its own, with vllm-omni where this environment has it (tests/wheel_env.py).
+    A test may add its own packages to the venv (tests/test_backend_repo.py adds a repo)."""
+    return make_wheel_env(tmp_path_factory.mktemp("wheel"), *(["vllm-omni"] if HAVE_OMNI else []))
 
 
 @pytest.fixture(scope="session")

@@ -2,63 +2,23 @@
 
 A backend repository adds pytest-kvconform as a dev dependency and runs
 ``pytest --kv-conformance`` in its own environment, under its own strict pytest
-settings.  This builds the wheel from a copy of the source tree, installs it into a
-venv made for the test (uv, at this environment's versions, without this
-checkout), and runs the suite from a scratch directory
+settings.  This installs such a repository into the session's venv, which holds the
+wheel built from a copy of the source tree (``wheel_env``: uv, at this environment's
+versions, without this checkout), and runs the suite from a scratch directory
 shaped like a backend repository: its own pyproject.toml, tests, a backend from its
 conftest hook and one from the ``pytest_kvconform.backends`` entry-point group.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import needs_omni
-
-REPO = Path(__file__).resolve().parents[1]
-SOURCE_IGNORE = shutil.ignore_patterns(".git", ".tox", "__pycache__", "build", "dist",
-                                       "*.egg-info", ".pytest_cache", ".ruff_cache",
-                                       ".mypy_cache", "report.json", "report.md", "tests")
-
-
-def _run(argv: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """Without PYTHONPATH: a checkout on it would shadow (or fake-install) the wheel."""
-    return subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=timeout, check=False)
-
-
-def _uv(*args: str, cwd: Path) -> str:
-    done = _run(["uv", *args], cwd=cwd)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout + done.stderr
-
-
-def _venv_like_this_environment(root: Path, *targets: str) -> Path:
-    """A new venv holding ``targets`` and what they need, at this environment's versions.
-
-    uv installs it as a backend repository's CI would (hardlinked from uv's cache, so
-    seconds), constrained to what this interpreter has, without this checkout.
-    """
-    frozen = _run(["uv", "pip", "freeze", "--python", sys.executable], cwd=root)
-    assert frozen.returncode == 0, frozen.stderr
-    pins = [line for line in frozen.stdout.splitlines()
-            if line and not line.startswith(("-e ", "pytest-kvconform"))]
-    constraints = root / "constraints.txt"
-    constraints.write_text("\n".join(pins) + "\n")
-    venv = root / "venv"
-    _uv("venv", "-q", "--python", sys.executable, str(venv), cwd=root)
-    python = venv / "bin" / "python"
-    _uv("pip", "install", "-q", "--python", str(python), "-c", str(constraints), *targets,
-        cwd=root)
-    return python
-
+from tests.wheel_env import REPO, WheelEnv, run
 
 BACKEND_REPO = {
     "pyproject.toml": '''
@@ -115,35 +75,23 @@ BACKEND_REPO = {
 
 
 @pytest.fixture(scope="module")
-def backend_repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(venv python, backend repository) with the wheel and the repo installed."""
-    root = tmp_path_factory.mktemp("backend-repo")
-    source = root / "src"
-    shutil.copytree(REPO, source, ignore=SOURCE_IGNORE)
-    dist = root / "dist"
-    built = _uv("build", "--wheel", "-o", str(dist), str(source), cwd=root)
-    assert "Deprecat" not in built, built
-    (wheel,) = dist.glob("pytest_kvconform-*.whl")
-    repo = root / "my-backends"
+def backend_repo(wheel_env: WheelEnv, tmp_path_factory: pytest.TempPathFactory
+                 ) -> tuple[Path, Path]:
+    """(venv python, backend repository): the repo installed beside the session's wheel."""
+    repo = tmp_path_factory.mktemp("backend-repo") / "my-backends"
     for name, text in BACKEND_REPO.items():
         path = repo / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text).lstrip())
-    python = _venv_like_this_environment(root, str(wheel), "vllm-omni", str(repo))
+    wheel_env.install(str(repo))
     shutil.rmtree(repo / "build", ignore_errors=True)
-    return python, repo
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    return env
+    return wheel_env.python, repo
 
 
 @needs_omni
 def test_packaged_data_comes_from_the_wheel(backend_repo: tuple[Path, Path]) -> None:
     python, repo = backend_repo
-    probe = _run([str(python), "-c", textwrap.dedent('''
+    probe = run([str(python), "-c", textwrap.dedent('''
         import pathlib, pytest_kvconform, conformance_cases
         from pytest_kvconform.contract import cases
         pkg = pathlib.Path(pytest_kvconform.__file__).parent
@@ -167,10 +115,10 @@ def test_packaged_data_comes_from_the_wheel(backend_repo: tuple[Path, Path]) -> 
 def test_suite_runs_against_the_repos_backends(backend_repo: tuple[Path, Path]) -> None:
     """Both registration routes, under the repo's strict settings, beside its own tests."""
     python, repo = backend_repo
-    result = _run([str(python), "-m", "pytest", "--kv-conformance", "-p", "no:cacheprovider",
-                   "--kv-backend", "MY_HOOK_ATTN", "--kv-backend", "MY_EP_ATTN",
-                   "-k", "(kv_l1 or kv_l2 or kv_l6 or own) and not seam", "-v", "-rs", "tests"],
-                  cwd=repo)
+    result = run([str(python), "-m", "pytest", "--kv-conformance", "-p", "no:cacheprovider",
+                  "--kv-backend", "MY_HOOK_ATTN", "--kv-backend", "MY_EP_ATTN",
+                  "-k", "(kv_l1 or kv_l2 or kv_l6 or own) and not seam", "-v", "-rs", "tests"],
+                 cwd=repo)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     for test_id in ("test_kv_l1[MY_HOOK_ATTN] PASSED", "test_kv_l2[MY_EP_ATTN] PASSED",
@@ -187,7 +135,7 @@ def test_gpu_check_ships_in_the_wheel(backend_repo: tuple[Path, Path]) -> None:
     """The installed ``kvconform gpu-check`` loads its modules and the stand-ins' plugin
     from the wheel; on a host without CUDA it refuses in one line and writes nothing."""
     python, repo = backend_repo
-    probe = _run([str(python), "-c", textwrap.dedent('''
+    probe = run([str(python), "-c", textwrap.dedent('''
         import importlib.util
         from pathlib import Path
         from pytest_kvconform.gpu import check
@@ -200,7 +148,7 @@ def test_gpu_check_ships_in_the_wheel(backend_repo: tuple[Path, Path]) -> None:
     origins = probe.stdout.split()
     assert [Path(o).name for o in origins] == ["paged_standins.py", "pinning.py"]
     assert all(Path(o).is_relative_to(python.parent.parent) for o in origins), origins
-    result = _run([str(python.parent / "kvconform"), "gpu-check", "gpu-out"], cwd=repo)
+    result = run([str(python.parent / "kvconform"), "gpu-check", "gpu-out"], cwd=repo)
     if "sees no CUDA device" not in result.stderr:
         pytest.skip(f"this host has CUDA: {result.stderr.strip()}")
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr

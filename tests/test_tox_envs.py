@@ -79,6 +79,13 @@ def test_the_cputorch_environment_swaps_in_the_cpu_build() -> None:
     assert {"torchvision", "torchaudio", "torchcodec"} <= set(excluded)
 
 
+def test_ci_environments_install_the_wheel_not_the_clone() -> None:
+    """CI's tests and main jobs run what users install: the package's wheel, not editable
+    (tests/test_wheel.py checks what such an environment imports)."""
+    for env_name in (DEFAULT, f"{DEFAULT}-cputorch"):
+        assert "package = wheel" in _tox_config(env_name, "package").splitlines(), env_name
+
+
 def _clone(where: Path) -> Path:
     where.mkdir()
     for name in COPIED:
