@@ -459,3 +459,37 @@ def test_the_import_log_is_an_optional_environment_record_shown_in_the_markdown(
         with pytest.raises(rp.ReportError) as info:
             rp.validate_report(report)
         assert info.value.path == path
+
+
+WORKER_LOG = [{"level": "WARNING", "text": "WARNING [cpu.py:293] Reset SSM cache type to "
+               "float32 for accelerated GDN mamba backend 'none'.",
+               "source": "KV-A worker cpu-0"},
+              {"level": "WARNING", "text": "(DiffusionWorker) WARNING [gpu_memory_utils.py:88] "
+               "NVML init failed", "source": "gw1 KV-A worker cpu-1"},
+              {"level": None, "text": "no source"}]
+
+
+def test_the_worker_log_is_an_optional_environment_record_shown_in_the_markdown() -> None:
+    report = copy.deepcopy(build())
+    assert "worker_log" not in report["environment"]
+    report["environment"]["worker_log"] = WORKER_LOG
+    rp.validate_report(json.loads(json.dumps(report)))
+    md = rp.render_markdown(report)
+    section = md.split("### Output of production's KV-A workers", 1)[1].split("\n## ", 1)[0]
+    assert "3 messages printed by production's KV-A worker processes" in section
+    assert "[KV-A worker cpu-0] WARNING [cpu.py:293] Reset SSM cache type" in section
+    assert "[gw1 KV-A worker cpu-1] (DiffusionWorker) WARNING" in section
+    assert "\nno source\n" in section
+    for bad, path in ((["text"], "$.environment.worker_log[0]"),
+                      ([{"level": None, "text": "x", "source": 1}],
+                       "$.environment.worker_log[0].source"),
+                      ([{"level": None, "text": "x", "pid": 1}],
+                       "$.environment.worker_log[0].pid")):
+        report["environment"]["worker_log"] = bad
+        with pytest.raises(rp.ReportError) as info:
+            rp.validate_report(report)
+        assert info.value.path == path
+    report["environment"]["import_log"] = [{"level": None, "text": "x", "source": "y"}]
+    del report["environment"]["worker_log"]
+    with pytest.raises(rp.ReportError, match="unknown key"):
+        rp.validate_report(report)  # the import log's messages name no source

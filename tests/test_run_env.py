@@ -144,6 +144,36 @@ def test_torchs_prefix_loses_its_time_and_process_id() -> None:
                                      "runtime is found, using CUDA_HOME='/usr/local'"}]
 
 
+def test_vllms_worker_process_prefix_loses_its_process_id() -> None:
+    """vLLM prefixes each line of a worker process it starts: the message keeps the name, its
+    level is read after it, and a traceback's lines stay one message."""
+    text = ("(DiffusionWorker pid=24445) WARNING 12-07 04:25:49 [gpu_memory_utils.py:88] NVML "
+            "init failed\n"
+            "(DiffusionWorker_DP0 pid=7) Traceback (most recent call last):\n"
+            "(DiffusionWorker_DP0 pid=7)   File \"x.py\", line 1, in <module>\n"
+            "(DiffusionWorker_DP0 pid=7) ValueError: boom\n")
+    assert run_env.import_messages(text) == [
+        {"level": "WARNING",
+         "text": "(DiffusionWorker) WARNING [gpu_memory_utils.py:88] NVML init failed"},
+        {"level": "ERROR", "text": "(DiffusionWorker_DP0) Traceback (most recent call last):\n"
+                                   "  File \"x.py\", line 1, in <module>\nValueError: boom"}]
+
+
+def test_printed_lines_name_who_printed_and_each_messages_source() -> None:
+    messages = [{"level": "WARNING", "text": "WARNING [cpu.py:293] Reset SSM cache type",
+                 "source": "KV-A worker cpu-0"}, {"level": None, "text": "plain\n  more"}]
+    (line,) = run_env.printed_lines(messages, "production's KV-A workers printed", "worker_log",
+                                    verbose=False, report=True)
+    assert line == ("kvconform: production's KV-A workers printed 2 messages (1 WARNING, "
+                    "1 other): the installed stack's own, not findings of this run; -v shows "
+                    "them, the report keeps them (environment.worker_log)")
+    verbose = run_env.printed_lines(messages, "they printed", "worker_log", verbose=True,
+                                    report=False)
+    assert verbose[1:] == [
+        "kvconform:   | [KV-A worker cpu-0] WARNING [cpu.py:293] Reset SSM cache type",
+        "kvconform:   | plain", "kvconform:   |   more"]
+
+
 def test_import_log_lines_summarise_and_verbose_shows_each_message() -> None:
     messages = run_env.import_messages(STACK_OUTPUT)
     assert run_env.import_log_lines([], verbose=True, report=True) == []

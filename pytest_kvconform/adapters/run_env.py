@@ -142,6 +142,8 @@ _VLLM_TIME = re.compile(r"^((?:DEBUG|INFO|WARNING|ERROR|CRITICAL) )\d\d-\d\d \d\
 # process id go; the letter becomes the level's name.
 _TORCH_PREFIX = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d(?:\.\d+)? +\d+ ([^\s\]]+)\] ")
 _TORCH_LEVELS = {"I": "INFO", "W": "WARNING", "E": "ERROR", "F": "CRITICAL"}
+# vLLM's prefix on each line a worker process it started prints, "(DiffusionWorker pid=123) ".
+_PROCESS = re.compile(r"^\(([^()\s]+) pid=\d+\) ")
 IMPORT_LOG_KEY = "import_log"  # the report's environment key (report_schema.py)
 
 
@@ -150,11 +152,17 @@ def import_messages(text: str) -> list[dict[str, Any]]:
     (not indented), with its indented continuation lines; a traceback ends with its
     exception line.  ``level`` is read from vLLM's and transformers' prefixes, a Python
     warning or a traceback; None when the text names none.  vLLM's and torch's
-    timestamps (and torch's process id) are dropped."""
+    timestamps (and torch's process id) are dropped; so is the process id of the
+    ``(DiffusionWorker pid=123) `` that vLLM puts before each line of a worker process it
+    starts, which stays before the message, without its id."""
     messages: list[list[str]] = []
+    processes: list[str] = []  # each message's "(DiffusionWorker) ", or ""
     for line in _ANSI.sub("", text).splitlines():
         if not line.strip():
             continue
+        process = _PROCESS.match(line)
+        if process:
+            line = line[process.end():]
         line = _VLLM_TIME.sub(r"\1", line)
         line = _TORCH_PREFIX.sub(lambda m: f"{_TORCH_LEVELS[m[1]]} [{m[2]}] ", line)
         continues = line[:1].isspace() or (
@@ -164,7 +172,9 @@ def import_messages(text: str) -> list[dict[str, Any]]:
             messages[-1].append(line)
         else:
             messages.append([line])
-    return [{"level": _level(lines[0]), "text": "\n".join(lines)} for lines in messages]
+            processes.append(f"({process[1]}) " if process else "")
+    return [{"level": _level(lines[0]), "text": process + "\n".join(lines)}
+            for process, lines in zip(processes, messages, strict=True)]
 
 
 def _level(first_line: str) -> str | None:
@@ -181,34 +191,20 @@ def captured_output() -> Iterator[list[dict[str, Any]]]:
     """File descriptors 1 and 2 into a temporary file for the block; the yielded list gets
     what was written there, as :func:`import_messages`, when the block ends.
 
-    At the descriptor level, so logging handlers a library creates meanwhile (vLLM's, at
-    its import) keep the real ``sys.stdout`` and print to the terminal afterwards, and
-    C-level writes are caught too.  Python's streams are flushed on both sides, so no
-    buffered text crosses the boundary.  When the block raises, what it printed goes to
-    stderr as well: it may explain the error.  Without both descriptors, nothing is captured.
+    At the descriptor level (:func:`redirected`), so logging handlers a library creates
+    meanwhile (vLLM's, at its import) keep the real ``sys.stdout`` and print to the
+    terminal afterwards, and C-level writes are caught too.  When the block raises, what
+    it printed goes to stderr as well: it may explain the error.  Without both
+    descriptors, nothing is captured.
     """
     found: list[dict[str, Any]] = []
-    _flush()
-    saved: list[int] = []
-    try:
-        saved += [os.dup(1), os.dup(2)]
-    except OSError:
-        for fd in saved:
-            os.close(fd)
-        yield found
-        return
     with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 1)
-        os.dup2(sink.fileno(), 2)
         failed = True
         try:
-            yield found
+            with redirected(sink.fileno()):
+                yield found
             failed = False
         finally:
-            _flush()
-            for fd, copy in zip((1, 2), saved, strict=True):
-                os.dup2(copy, fd)
-                os.close(copy)
             sink.seek(0)
             text = sink.read().decode("utf-8", "replace")
             found.extend(import_messages(text))
@@ -216,6 +212,34 @@ def captured_output() -> Iterator[list[dict[str, Any]]]:
                 with contextlib.suppress(Exception):
                     sys.stderr.write(text)
                     sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def redirected(target: int) -> Iterator[bool]:
+    """File descriptors 1 and 2 onto ``target`` (an open descriptor) for the block, then
+    back to what they were.
+
+    Python's streams are flushed on both sides, so no buffered text crosses the boundary.
+    Yields False, redirecting nothing, where 1 and 2 cannot both be duplicated.
+    """
+    _flush()
+    saved: list[int] = []
+    try:
+        saved += [os.dup(1), os.dup(2)]
+    except OSError:
+        for fd in saved:
+            os.close(fd)
+        yield False
+        return
+    os.dup2(target, 1)
+    os.dup2(target, 2)
+    try:
+        yield True
+    finally:
+        _flush()
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 def _flush() -> None:
@@ -229,6 +253,15 @@ def import_log_lines(messages: Sequence[dict[str, Any]], *, verbose: bool,
                      report: bool) -> list[str]:
     """The header's account of :func:`captured_output`'s messages: one summary line, and
     with ``verbose`` every message in full."""
+    return printed_lines(messages, "importing vLLM / vllm-omni printed", IMPORT_LOG_KEY,
+                         verbose=verbose, report=report)
+
+
+def printed_lines(messages: Sequence[dict[str, Any]], who: str, key: str, *, verbose: bool,
+                  report: bool) -> list[str]:
+    """``kvconform: <who> N messages (counts by level): ...``, and with ``verbose`` every
+    message in full (after its ``source``, where it has one); ``key`` is where the report
+    keeps them (``environment.<key>``)."""
     if not messages:
         return []
     levels: dict[str, int] = {}
@@ -238,11 +271,13 @@ def import_log_lines(messages: Sequence[dict[str, Any]], *, verbose: bool,
     counts = ", ".join(f"{n} {level}" for level, n in sorted(levels.items()))
     where = ["shown below" if verbose else "-v shows them"]
     if report:
-        where.append(f"the report keeps them (environment.{IMPORT_LOG_KEY})")
-    lines = [f"kvconform: importing vLLM / vllm-omni printed {len(messages)} message"
+        where.append(f"the report keeps them (environment.{key})")
+    lines = [f"kvconform: {who} {len(messages)} message"
              f"{'s' if len(messages) != 1 else ''} ({counts}): the installed stack's own, not "
              f"findings of this run; {', '.join(where)}"]
     if verbose:
         for message in messages:
-            lines += [f"kvconform:   | {line}" for line in str(message["text"]).splitlines()]
+            source = f"[{message['source']}] " if message.get("source") else ""
+            text = source + str(message["text"])
+            lines += [f"kvconform:   | {line}" for line in text.splitlines()]
     return lines

@@ -323,6 +323,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     env_rows += [("options", json.dumps(env["options"], sort_keys=True))]
     lines += markdown_table(["key", "value"], env_rows)
     lines += _import_log_lines(env.get("import_log"))
+    lines += _worker_log_lines(env.get("worker_log"))
     if report["backends"]:
         lines += ["", "## Backends", ""]
         lines += markdown_table(
@@ -351,6 +352,23 @@ def _import_log_lines(messages: Sequence[Mapping[str, Any]] | None) -> list[str]
              f"findings of this run.", "", fence + "text"]
     for message in messages:
         lines += str(message["text"]).splitlines()
+    return [*lines, fence]
+
+
+def _worker_log_lines(messages: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    """The Markdown's account of what production printed for the KV-A deployments (kept
+    out of the terminal): every message, verbatim, after the process that printed it."""
+    if not messages:
+        return []
+    fence = "````"
+    lines = ["", "### Output of production's KV-A workers", "",
+             f"{len(messages)} message{'s' if len(messages) != 1 else ''} printed by "
+             f"production's KV-A worker processes and the fork server, and by its code the "
+             f"harness ran between tests: the installed stack's own, not findings of this "
+             f"run.", "", fence + "text"]
+    for message in messages:
+        source = f"[{message['source']}] " if message.get("source") else ""
+        lines += (source + str(message["text"])).splitlines()
     return [*lines, fence]
 
 

@@ -67,9 +67,12 @@ BACKEND_OPTIONAL_KEYS = ("origin",)
 # plugins: what loading vLLM / vllm-omni plugins did (omni_plugins.PluginLoad.as_dict());
 # seeded_faults: the $KVCONFORM_WORKER_FAULT values the run's KV-A workers ran under;
 # import_log: what importing the serving stack printed during discovery, one
-# {"level", "text"} per message (run_env.import_messages).
-ENV_OPTIONAL_KEYS = ("plugins", "seeded_faults", "import_log")
+# {"level", "text"} per message (run_env.import_messages); worker_log: what production
+# printed for the KV-A deployments (its worker processes, the fork server, its code run
+# between tests), the same, each with the process it came from (workers/worker_log.py).
+ENV_OPTIONAL_KEYS = ("plugins", "seeded_faults", "import_log", "worker_log")
 IMPORT_LOG_KEYS = ("level", "text")
+WORKER_LOG_OPTIONAL_KEYS = ("source",)
 RESULT_KEYS = (
     "nodeid", "backend", "clause", "case", "layout", "device", "status", "reason", "duration_s",
 )
@@ -289,13 +292,17 @@ def _validate_environment(env: Any) -> None:
         expect_type(env["seeded_faults"], "$.environment.seeded_faults", list)
         for i, fault in enumerate(env["seeded_faults"]):
             expect_type(fault, f"$.environment.seeded_faults[{i}]", str)
-    if "import_log" in env:
-        expect_type(env["import_log"], "$.environment.import_log", list)
-        for i, message in enumerate(env["import_log"]):
-            where = f"$.environment.import_log[{i}]"
-            expect_keys(message, where, IMPORT_LOG_KEYS)
+    for key, optional in (("import_log", ()), ("worker_log", WORKER_LOG_OPTIONAL_KEYS)):
+        if key not in env:
+            continue
+        expect_type(env[key], f"$.environment.{key}", list)
+        for i, message in enumerate(env[key]):
+            where = f"$.environment.{key}[{i}]"
+            expect_keys(message, where, IMPORT_LOG_KEYS, optional)
             expect_type(message["level"], f"{where}.level", str, none=True)
             expect_type(message["text"], f"{where}.text", str)
+            if "source" in message:
+                expect_type(message["source"], f"{where}.source", str)
     expect_type(env["python"], "$.environment.python", str)
     for key in ("torch", "vllm", "vllm_omni"):
         expect_type(env[key], f"$.environment.{key}", str, none=True)

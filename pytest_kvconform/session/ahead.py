@@ -15,6 +15,11 @@ each is handed a rendezvous port of the harness's own (``adapters/around_worker.
 
 Only clause-table checks, not KV-A6 (which sizes its allocation from a worker's free
 memory), and only on idle, ready forked workers: this never waits.
+
+This runs between the tests, where pytest captures nothing, and planning a deployment runs
+production's code here (its ``od_config`` builds vLLM configs, whose platform check may
+warn): what it prints goes to the run's account of the workers' output
+(``workers/worker_log.py``), not between pytest's progress dots.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import pytest
 from pytest_kvconform.checks import adoption
 from pytest_kvconform.checks.arguments import Sources, arguments
 from pytest_kvconform.contract import clauses
-from pytest_kvconform.workers import deployment, pool
+from pytest_kvconform.workers import deployment, pool, worker_log
 from pytest_kvconform.workers.devices import Unplaceable
 
 # Deployments started ahead at once (their workers, the running test's and one set tearing
@@ -79,12 +84,14 @@ class Ahead:
         start, and what it did not claim is cancelled after it."""
         pool.running(item.nodeid)
         try:
-            if self.own(item):
-                self.prepare(self.upcoming(item, nextitem))
+            with worker_log.captured():  # production's config building: outside pytest's capture
+                if self.own(item):
+                    self.prepare(self.upcoming(item, nextitem))
             yield
         finally:
             pool.running(None)
-            self.done(item)
+            with worker_log.captured():
+                self.done(item)
 
     def own(self, item: pytest.Item) -> bool:
         """The running test's workers first: those it takes without anything started

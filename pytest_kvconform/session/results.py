@@ -40,6 +40,8 @@ from pytest_kvconform.contract.records import (
 )
 from pytest_kvconform.session.options import Options
 from pytest_kvconform.session.selection import XFAIL_PROPERTY, KvSelection
+from pytest_kvconform.session.worker_output import KvWorkerOutput
+from pytest_kvconform.workers.worker_log import WORKER_LOG_KEY
 
 # How pytest prefixes a ClauseFailure's message in a crash line.
 _FAILURE_PREFIX = f"{ClauseFailure.__module__}.{ClauseFailure.__qualname__}: "
@@ -54,12 +56,13 @@ class KvResults:
     built_report: dict[str, Any] | None = None
 
     def __init__(self, config: pytest.Config, options: Options,
-                 selection: KvSelection) -> None:
+                 selection: KvSelection, worker_output: KvWorkerOutput | None = None) -> None:
         from pytest_kvconform.report.build import now_iso
 
         self.config = config
         self.options = options
         self.selection = selection
+        self.worker_output = worker_output  # what the KV-A workers printed
         self.rows: list[ResultRow] = []
         self.run_id = uuid.uuid4().hex
         self.started = time.monotonic()
@@ -283,6 +286,8 @@ class KvResults:
         for line in report_mod.render_terminal_matrix(self.row_dicts(),
                                                       self.selection.backend_dicts()):
             tr.write_line(line)
+        for line in self.worker_output.summary_lines() if self.worker_output else ():
+            tr.write_line(line)
         errors = [r for r in self.rows if r.status == "error"]
         if errors:
             kinds = sorted({r.error_kind or "harness" for r in errors})
@@ -345,6 +350,9 @@ class KvResults:
         import_log = self.selection.import_log_record()
         if import_log is not None:
             environment[run_env.IMPORT_LOG_KEY] = import_log
+        worker_log = self.worker_output.record() if self.worker_output else None
+        if worker_log is not None:
+            environment[WORKER_LOG_KEY] = worker_log
         self.built_report = report_mod.build_report(
             environment=environment, backends=self.selection.backend_dicts(), results=results,
             options=self.options.raw, strict=strict, selection=selection, run=run)

@@ -2,9 +2,10 @@
 
 The run itself lives here: the device and GPU ids, the plugins' environment, the
 KV-A worker pool's lifetime, the seeded-fault policy and the header.  What the run
-selected (``session_selection``) and what it found (``session_results``) are two
-collaborators it creates and registers as plugins of their own, so that each
-concern's hooks sit with its state and ``plugin.py`` stays free of heavy imports.
+selected (``selection.py``), what it found (``results.py``) and what its KV-A
+workers printed (``worker_output.py``) are collaborators it creates and registers as
+plugins of their own, so that each concern's hooks sit with its state and ``plugin.py``
+stays free of heavy imports.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pytest_kvconform.adapters.omni_plugins import restore_plugins_env, set_plug
 from pytest_kvconform.session.options import Options
 from pytest_kvconform.session.results import KvResults
 from pytest_kvconform.session.selection import KvSelection, import_error_line
+from pytest_kvconform.session.worker_output import PLUGIN_NAME as WORKER_OUTPUT_PLUGIN
+from pytest_kvconform.session.worker_output import KvWorkerOutput
 from pytest_kvconform.workers import forkserver, protocol, tempdirs
 
 SELECTION_PLUGIN = "kvconform-selection"
@@ -40,9 +43,11 @@ class KvSession:
         self.swept = [] if hasattr(config, "workerinput") else tempdirs.sweep()
         # First: from here on a Ctrl-C still ends with a verdict and a report (KvResults).
         self.selection = KvSelection(config, options, self.device, known)
-        self.results = KvResults(config, options, self.selection)
+        self.worker_output = KvWorkerOutput(config, options)  # before any worker starts
+        self.results = KvResults(config, options, self.selection, self.worker_output)
         config.pluginmanager.register(self.selection, SELECTION_PLUGIN)
         config.pluginmanager.register(self.results, RESULTS_PLUGIN)
+        config.pluginmanager.register(self.worker_output, WORKER_OUTPUT_PLUGIN)
         self._setup_device()
         self._plugins_env = set_plugins_env(options.plugins)  # after the CPU platform's env
         self.selection.device = self.device
@@ -73,9 +78,11 @@ class KvSession:
             return (yield)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        """What was started ahead for a test that did not run is cancelled."""
+        """What was started ahead for a test that did not run is cancelled; then what the
+        KV-A workers printed is read (before the results' report, which keeps it)."""
         if self._ahead is not None:
             self._ahead.finish()
+        self.worker_output.finish()
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:

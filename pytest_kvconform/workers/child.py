@@ -6,6 +6,8 @@ fork server, which is tied to the test process, its lifeline to the test process
 itself), ignores SIGINT (its parent decides when it stops),
 and with ``$KVCONFORM_WORKER_PIDDIR`` set creates ``<pid>.worker`` there (never through a
 link: ``seeds.mark_pid``), so a test can check by PID that nothing is left.
+Its descriptors 1 and 2 are on its log before its imports, and every reply waits for what
+the command printed to be there (``worker_log.py`` reads the log for the run).
 Worker processes production's multiproc executor spawns are its own: they die with the
 KV-A worker that started them (production sets their parent-death signal), which dies
 with the test process.
@@ -78,7 +80,7 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
                 importlib.import_module(name)
     except BaseException as exc:
         traceback.print_exc()
-        conn.send({"ok": False, "error": repr(exc), "traceback": traceback.format_exc()})
+        _reply(conn, {"ok": False, "error": repr(exc), "traceback": traceback.format_exc()})
         return
     import gc
 
@@ -87,7 +89,7 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
 
     from pytest_kvconform.adapters import engine
 
-    conn.send({"ok": True, "result": {**process_identity(), "device": device,
+    _reply(conn, {"ok": True, "result": {**process_identity(), "device": device,
                                       "import_s": round(time.monotonic() - started, 2),
                                       "plugins": plugins,
                                       # where production's stack is preloaded: which of its
@@ -115,7 +117,16 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc(),
                      "record": engine.error_record(exc, message.get("cmd", ""))}
-        conn.send(reply)
+        _reply(conn, reply)
+
+
+def _reply(conn: Any, reply: dict[str, Any]) -> None:
+    """Send ``reply`` once what the command printed is in the log: Python's buffered streams
+    are flushed first, so a parent that reads the log after the reply finds all of it."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    conn.send(reply)
 
 
 def _refuse_inherited_cuda() -> None:
@@ -175,6 +186,10 @@ class _WorkerState:
         if cmd == "crash":
             os.write(2, str(message.get("text", "")).encode() + b"\n")
             os._exit(int(message.get("code", 3)))
+        if cmd == "print":  # as production's code prints: through Python's buffered streams
+            stream = sys.stdout if message.get("stream") == "stdout" else sys.stderr
+            print(message.get("text", ""), file=stream)
+            return None
         handler = getattr(self, f"cmd_{cmd}", None)
         if handler is None:
             raise ValueError(f"unknown worker command {cmd!r}")

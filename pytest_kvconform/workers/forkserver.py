@@ -26,6 +26,7 @@ started only from the main thread (a parent-death signal fires when the *thread*
 that started the server exits).  Its stdout / stderr go to ``server.log`` in its
 directory, which is in the run's own (``workers/tempdirs.py``), and so is its ``$TMPDIR``:
 what its imports leave there (cuda.tile makes a directory at import) goes with the run.
+The run reads that log for its account of what the workers printed (``worker_log.py``).
 
 Stdlib only.
 """
@@ -45,7 +46,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pytest_kvconform.workers import lifetime, tempdirs
+from pytest_kvconform.workers import lifetime, tempdirs, worker_log
 
 GUARD = "pytest_kvconform.workers.forkserver_guard"
 READY = "pytest_kvconform.workers.forkserver_ready"
@@ -124,6 +125,7 @@ def start(preload: Sequence[str]) -> bool:
     stop()
     _dir = tempdirs.make("forkserver")
     _preload = tuple(preload)
+    worker_log.watch(os.path.join(_dir, LOG_FILE), worker_log.FORK_SERVER)  # the run's account
     _server.set_forkserver_preload([GUARD, *preload, READY])
     server_tmp = os.path.join(_dir, TMP_DIR)
     os.mkdir(server_tmp, 0o700)

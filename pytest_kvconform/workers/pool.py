@@ -31,7 +31,8 @@ Workers are pooled per (device, slot) and reused for the whole session (each
 deployment is closed before the next starts on the same worker; a forked CPU worker
 closes it while the next deployment runs on another, ``SPARE_SETS``); a dead worker is
 replaced on the next request, and the request that saw it die raises :class:`WorkerDied` carrying
-the tail of its stderr.
+the tail of its stderr.  A worker's stdout and stderr go to its log in the pool's
+directory, never to the terminal; the run reports what is in them (``worker_log.py``).
 
 Stdlib only at import (numpy, torch, pytest and ``compat`` are imported where used).
 
@@ -50,12 +51,13 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from pytest_kvconform.adapters import seeds
-from pytest_kvconform.workers import budget, forkserver, lifetime, tempdirs
+from pytest_kvconform.workers import budget, forkserver, lifetime, tempdirs, worker_log
 from pytest_kvconform.workers.child import _worker_main
 from pytest_kvconform.workers.devices import Unplaceable
 from pytest_kvconform.workers.protocol import (
@@ -168,6 +170,7 @@ class WorkerHandle:
         self.device, self.gpu_id = child_device(self.placement)
         self.label = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', self.placement)}-{key[1]}"
         self.stderr_path = os.path.join(workdir, f"worker-{self.label}.log")
+        worker_log.watch(self.stderr_path, worker_log.worker_source(self.label))
         self.preload = tuple(preload)
         self.method = start_method(self.placement)
         if self.method == "forkserver" and not forkserver.start(server_preload(preload)):
@@ -418,6 +421,13 @@ class WorkerHandle:
             if not self.alive:
                 self._owed.clear()
 
+    def settle(self, deadline: float) -> None:
+        """Read the replies owed to :meth:`release_later` that come before ``deadline`` (a
+        ``time.monotonic()``); never kills: one still due is read before the next command."""
+        while self._owed and self.alive and self.started and \
+                self.conn.poll(max(0.0, deadline - time.monotonic())):
+            self._settle(block=False)
+
     def ask_to_exit(self) -> None:
         """Tell the worker to exit, without waiting (:meth:`close` waits)."""
         if self.alive and self.ready and not self._exit_asked:
@@ -648,6 +658,14 @@ class WorkerPool:
         handle = self.workers.get(key)
         return handle is not None and handle.ready
 
+    def settle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` in all for the deployments the workers still tear down (or
+        were started ahead and cancelled): what they print doing so is then in their logs
+        when the run reads them (``worker_log.py``)."""
+        deadline = time.monotonic() + timeout
+        for handle in list(self.workers.values()):
+            handle.settle(deadline)
+
     def close(self) -> None:
         handles = list(self.workers.values())
         for handle in handles:  # all at once: each tears its last deployment down
@@ -704,6 +722,12 @@ def unreserve_test(test: str) -> None:
     """:meth:`WorkerPool.unreserve_test` of the shared pool, if there is one."""
     if _pool is not None:
         _pool.unreserve_test(test)
+
+
+def settle(timeout: float) -> None:
+    """:meth:`WorkerPool.settle` of the shared pool, if there is one."""
+    if _pool is not None:
+        _pool.settle(timeout)
 
 
 def launch_pending() -> int:

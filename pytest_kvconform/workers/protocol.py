@@ -4,7 +4,7 @@ Protocol: one dict per message over a ``multiprocessing.Pipe``; the child answer
 ``{"ok": True, "result": ...}`` or ``{"ok": False, "error": ..., "traceback": ...}``.
 Commands: ``ping``, ``engine_run`` / ``engine_call`` (a whole deployment here),
 ``rank_start`` / ``rank_rpc`` (one rank; the executor's frames), ``free_memory``,
-``release``, ``shutdown`` (and ``crash``, for the harness's tests).  A suite worker
+``release``, ``shutdown`` (and ``crash`` and ``print``, for the harness's tests).  A suite worker
 loads the vLLM / vllm-omni plugins at start-up, as vllm-omni's diffusion workers
 do (``LOAD_PLUGINS``).
 
