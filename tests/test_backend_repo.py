@@ -11,14 +11,26 @@ conftest hook and one from the ``pytest_kvconform.backends`` entry-point group.
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
+import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from pytest_kvconform.report.verdict import EXIT_STACK_REGRESSED
 from tests.conftest import needs_omni
-from tests.wheel_env import REPO, WheelEnv, run
+from tests.wheel_env import REPO, WheelEnv, clean_env, run
+
+
+def run_with(argv: list[str], cwd: Path, env: dict[str, str] | None,
+             timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """:func:`run`, with ``env`` added to the clean environment."""
+    return subprocess.run(argv, cwd=cwd, env={**clean_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 BACKEND_REPO = {
     "pyproject.toml": '''
@@ -62,10 +74,37 @@ BACKEND_REPO = {
             @classmethod
             def get_name(cls) -> str:
                 return "MY_EP_ATTN"
+
+
+        class SlipBackend(SDPABackend):
+            """A real slip: the declaration written as an instance method."""
+
+            supports_paged_kv = True
+
+            @classmethod
+            def get_name(cls) -> str:
+                return "MY_SLIP"
+
+            def indexes_kv_by_block_stride(self) -> bool:
+                return False
     ''',
     "conftest.py": '''
+        import os
+
+
         def pytest_kvconform_backends(config):
-            return {"MY_HOOK_ATTN": "my_backends.attention:HookBackend"}
+            return {"MY_HOOK_ATTN": "my_backends.attention:HookBackend",
+                    "MY_SLIP": "my_backends.attention:SlipBackend"}
+
+
+        def pytest_sessionstart(session):
+            """Stands in for an upstream regression no shipped finding describes (the
+            suite's own test of itself: a real repository has no such hook)."""
+            if os.environ.get("SEED_STACK_REGRESSION"):
+                from pytest_kvconform.adapters import plants
+
+                for holder, name, value in plants.replacements(plants.HAND_STRIDES):
+                    setattr(holder, name, value)
     ''',
     "tests/test_own.py": '''
         def test_own_tests_run_beside_the_suite():
@@ -153,3 +192,133 @@ def test_gpu_check_ships_in_the_wheel(backend_repo: tuple[Path, Path]) -> None:
         pytest.skip(f"this host has CUDA: {result.stderr.strip()}")
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
     assert not (repo / "gpu-out").exists()
+
+
+def _suite(python: Path, repo: Path, *args: str, env: dict[str, str] | None = None,
+           cache: bool = False) -> tuple[int, str]:
+    """``pytest --kv-conformance ARGS`` in the repository: (exit status, its output)."""
+    argv = [str(python), "-m", "pytest", "--kv-conformance",
+            *([] if cache else ["-p", "no:cacheprovider"]), *args]
+    done = run_with(argv, repo, env)
+    return done.returncode, done.stdout + done.stderr
+
+
+@needs_omni
+def test_a_conforming_backend_qualifies_on_its_own(backend_repo: tuple[Path, Path]) -> None:
+    """The whole backend-scoped run, as a backend repository's CI runs it: its verdict
+    names the backend, the stack's known findings are listed (no file named), and the
+    test ids read as the repository's own."""
+    python, repo = backend_repo
+    code, out = _suite(python, repo, "--kv-backend", "MY_EP_ATTN", "-rs",
+                       "--junitxml", "junit.xml", "--kv-report", "r.json")
+    assert code == 0, out[-6000:]
+    assert ("kvconform: known findings: pytest_kvconform/known/vllm_omni_0_30.toml (shipped; "
+            "written for the installed vllm 0.30.0, vllm-omni 0.30.0)") in out, out[-6000:]
+    assert "kvconform: verdict for MY_EP_ATTN: qualified" in out, out[-6000:]
+    assert "kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): " in out
+    assert "no regression" in out and "is bitten in production" in out, out[-6000:]
+    summary = out.split("short test summary info")[-1]
+    assert "SKIPPED [1] kvconform/test_layout.py:" in summary, summary
+    assert "site-packages" not in summary, summary
+    junit = (repo / "junit.xml").read_text()
+    assert 'classname="kvconform.test_layout" name="test_kv_l1[MY_EP_ATTN]"' in junit, junit[:2000]
+    assert "site-packages" not in "".join(re.findall(r'classname="[^"]*"', junit))
+    report = json.loads((repo / "r.json").read_text())
+    assert report["verdict"] == "qualified"
+    assert {r["subject"] for r in report["results"]} == {"backend", "stack"}
+    assert report["stack"]["regressions"] == []
+    strict_code, strict_out = _suite(python, repo, "--kv-backend", "MY_EP_ATTN", "--kv-strict")
+    assert strict_code == 0, strict_out[-6000:]
+    assert "kvconform: verdict for MY_EP_ATTN: qualified" in strict_out
+
+
+@needs_omni
+def test_the_backends_own_slip_fails_it_root_cause_first(backend_repo: tuple[Path, Path]
+                                                         ) -> None:
+    python, repo = backend_repo
+    code, out = _suite(python, repo, "--kv-backend", "MY_SLIP", "--kv-strict")
+    assert code == 1, out[-6000:]
+    verdict = next(line for line in out.splitlines()
+                   if line.startswith("kvconform: verdict for MY_SLIP: "))
+    assert verdict.startswith("kvconform: verdict for MY_SLIP: not qualified (MY_SLIP: KV-L1 "
+                              "failed (root cause): KV-L1 test_kv_l1[MY_SLIP]; "), verdict
+    assert re.search(r"; \d+ results depend on it: KV-L2 test_kv_l2\[MY_SLIP\]", verdict)
+    assert "FAILED kvconform/test_layout.py::test_kv_l2[MY_SLIP] - depends on KV-L1" in out
+    assert "differs from known finding" not in verdict
+
+
+@needs_omni
+def test_a_stack_regression_is_reported_as_the_stacks(backend_repo: tuple[Path, Path]) -> None:
+    python, repo = backend_repo
+    code, out = _suite(python, repo, "--kv-backend", "MY_EP_ATTN", "-k",
+                       "kv_l1 or (kv_s1 and bf16_h8 and BLNHC)",
+                       env={"SEED_STACK_REGRESSION": "1"})
+    assert code == EXIT_STACK_REGRESSED, out[-6000:]
+    assert "kvconform: verdict for MY_EP_ATTN: partial (left out: -k" in out, out[-6000:]
+    assert ("kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 0 known finding results "
+            "listed, 1 regression no known finding describes: KV-S1 "
+            "test_kv_s1[BLNHC-bf16_h8]") in out, out[-6000:]
+
+
+@needs_omni
+def test_ids_work_with_lf_and_deselect(backend_repo: tuple[Path, Path]) -> None:
+    python, repo = backend_repo
+    shutil.rmtree(repo / ".pytest_cache", ignore_errors=True)
+    first, out = _suite(python, repo, "--kv-backend", "MY_SLIP", "-k", "kv_l1 or kv_l3 or kv_l4",
+                        "-q", cache=True)
+    assert first == 1 and "3 failed" in out, out[-3000:]
+    again, out = _suite(python, repo, "--kv-backend", "MY_SLIP", "--lf",
+                        "--deselect", "kvconform/test_layout.py::test_kv_l1[MY_SLIP]", "-v",
+                        cache=True)
+    assert again == 1, out[-3000:]
+    ran = re.findall(r"^(kvconform/\S+::\S+) (?:PASSED|FAILED)", out, re.MULTILINE)
+    assert ran == ["kvconform/test_layout.py::test_kv_l3[MY_SLIP]",
+                   "kvconform/test_layout.py::test_kv_l4[MY_SLIP]"], out[-3000:]
+
+
+QUICKSTART = "my-quickstart"
+
+
+def readme_blocks(lang: str) -> list[str]:
+    """README.md's fenced code blocks of one language, in order."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    return re.findall(rf"^```{lang}\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)
+
+
+@needs_omni
+def test_the_readme_quickstart_and_ci_job_run_as_written(wheel_env: WheelEnv,
+                                                          tmp_path: Path) -> None:
+    """README's backend, its entry point and its GitHub Actions job's commands, run as
+    written in a new repository (the suite from the built wheel, as the job's comment says)."""
+    import yaml
+
+    (backend,) = readme_blocks("python")
+    (entry_point,) = readme_blocks("toml")
+    (job,) = readme_blocks("yaml")
+    path = backend.splitlines()[0].removeprefix("# ").strip()
+    repo = tmp_path / QUICKSTART
+    (repo / path).parent.mkdir(parents=True)
+    (repo / path).write_text(backend)
+    (repo / Path(path).parent / "__init__.py").write_text("")
+    (repo / "pyproject.toml").write_text(textwrap.dedent(f'''
+        [build-system]
+        requires = ["setuptools>=77"]
+        build-backend = "setuptools.build_meta"
+
+        [project]
+        name = "{QUICKSTART}"
+        version = "0.1"
+    ''') + "\n" + entry_point)
+    steps = [step["run"] for steps in (j["steps"] for j in yaml.safe_load(job)["jobs"].values())
+             for step in steps if "run" in step]
+    assert steps, job
+    # A venv of its own: the job installs its repository's package (my_backends) there.
+    venv = wheel_env.another(tmp_path / "venv", "vllm-omni")
+    env = {"CONFORMANCE_SUITE": f"{venv.wheel}[omni]",
+           "PATH": f"{venv.python.parent}{os.pathsep}{os.environ['PATH']}"}
+    for step in steps:
+        done = run_with(["bash", "-euo", "pipefail", "-c", step], repo, env, timeout=1500)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, f"{step}\n{out[-6000:]}"
+    assert "kvconform: verdict for MY_ATTN: qualified" in out, out[-6000:]
+    assert json.loads((repo / "kv-report.json").read_text())["verdict"] == "qualified"

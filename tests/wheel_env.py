@@ -102,6 +102,12 @@ class WheelEnv:
         """A console script the venv's packages installed (``kvconform``)."""
         return self.python.parent / name
 
+    def another(self, venv: Path, *extra: str) -> WheelEnv:
+        """The same wheel in a venv of its own (with pip), for a repository that must not
+        see another test's packages."""
+        return venv_with(venv, self.wheel, self.build_output, self.constraints, *extra,
+                         seed=True)
+
     def install(self, *targets: str) -> None:
         """Add packages at this environment's versions (a test's own, e.g. a backend repo)."""
         uv("pip", "install", "-q", "--python", str(self.python), "-c", str(self.constraints),
@@ -130,8 +136,15 @@ def make(root: Path, *extra: str) -> WheelEnv:
             if line and not line.startswith(("-e ", "pytest-kvconform"))]
     constraints = root / "constraints.txt"
     constraints.write_text("\n".join(pins) + "\n")
-    venv = root / "venv"
-    uv("venv", "-q", "--python", sys.executable, str(venv), cwd=root)
-    env = WheelEnv(root, wheel, output, venv / "bin" / "python", constraints)
+    return venv_with(root / "venv", wheel, output, constraints, *extra)
+
+
+def venv_with(venv: Path, wheel: Path, output: str, constraints: Path, *extra: str,
+              seed: bool = False) -> WheelEnv:
+    """A new venv holding ``wheel`` and ``extra`` at the constrained versions (``seed``:
+    with pip, as setup-python's interpreter has it)."""
+    uv("venv", "-q", *(["--seed"] if seed else []), "--python", sys.executable, str(venv),
+       cwd=venv.parent)
+    env = WheelEnv(venv.parent, wheel, output, venv / "bin" / "python", constraints)
     env.install(str(wheel), *extra)
     return env
