@@ -68,7 +68,8 @@ def test_help_lists_options_in_their_group(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("--help")
     result.stdout.fnmatch_lines(["*KV-cache layout conformance (pytest-kvconform)*"])
     for flag in ("--kv-conformance", "--kv-backend=NAME", "--kv-device=auto|cpu|cuda[:N]",
-                 "--kv-cases=PATH", "--kv-report=PATH", "--kv-xfails=FILE", "--kv-strict"):
+                 "--kv-cases=PATH", "--kv-report=PATH", "--kv-xfails=auto|none|FILE",
+                 "--kv-strict"):
         assert flag in result.stdout.str(), flag
     result.stdout.fnmatch_lines(["*kv_conformance (bool)*"])
 

@@ -88,7 +88,7 @@ def test_strict_mode_fails_on_xpass_and_names_verdict(pytester: pytest.Pytester,
     result = kv_run("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-xfails", str(xf),
                     "--kv-strict", "--kv-report", "r.json")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*kvconform: verdict: not qualified (xpassed (a known finding "
+    result.stdout.fnmatch_lines(["*kvconform: verdict*: not qualified (xpassed (a known finding "
                                  "no longer fails: remove its entry): KV-L1 test_kv_l1[[]GOOD]; "
                                  "left out: *"])
     (row,) = _results(pytester.path / "r.json")
@@ -100,7 +100,7 @@ def test_strict_mode_forgives_missing_hardware_only(pytester: pytest.Pytester, k
     register_backends(pytester, {"GOOD": Good, "BROKEN": "no_mod_q:X"})
     result = kv_run("-k", "kv_l1", "--kv-backend", "BROKEN", "--kv-strict")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*verdict: not qualified*"])
+    result.stdout.fnmatch_lines(["*verdict*: not qualified*"])
 
 
 def test_junit_properties(pytester: pytest.Pytester, kv_run) -> None:

@@ -86,7 +86,7 @@ def test_the_suite_runs_a_new_row_and_reports_its_failure(kv_run) -> None:
     result.assert_outcomes(passed=1 + one_rank_one_group - 1, failed=1)
     result.stdout.fnmatch_lines([
         "KV-N6 violated ?case=padded?: padded pages are not planned",
-        "FAILED test_table.py::test_kv_n6?padded? - *",
+        "FAILED kvconform/test_table.py::test_kv_n6?padded? - *",
     ])
     # The matrix has the new clauses as columns: the backend's row and the upstream row.
     result.stdout.fnmatch_lines(["backend*L9 N6", "TORCH_SDPA .", "(upstream)*F"])

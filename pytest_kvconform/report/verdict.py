@@ -469,11 +469,15 @@ def judge(
     ``interrupted`` > ``not qualified`` > ``partial`` > ``qualified``; ``startup``
     (:func:`startup_failures`) makes any finished run ``not qualified``.
     """
-    verdict, uncovered = compute_verdict(in_scope(results, scope_of(selection)), strict)
+    scope = scope_of(selection)
+    judged = in_scope(results, scope)
+    verdict, uncovered = compute_verdict(judged, strict)
     if interruption_of(run, selection, results):
         verdict = "interrupted"
     elif startup:
         verdict = "not qualified"
+    elif scope is not None and not judged:  # nothing of the named backends' own was checked
+        verdict = "partial"
     elif verdict == "qualified" and left_out(_scoped_selection(selection)):
         verdict = "partial"
     return verdict, uncovered
