@@ -319,7 +319,7 @@ def test_a_strict_run_with_a_raising_hook_is_not_qualified_by_name(
     result.stdout.fnmatch_lines([
         "kvconform: WARNING: plugin oot_kvplugin_missing * failed to load: *",
         f"*kvconform: verdict*: not qualified (production would not start: {named}; *"])
-    assert "oot_kvplugin_missing" not in result.stdout.str().split("kvconform: verdict:")[1]
+    assert "oot_kvplugin_missing" not in result.stdout.str().split("kvconform: verdict")[1]
     assert report["verdict"] == "not qualified"
     assert report["startup_failures"] == [
         {"plugin": "oot_kvplugin_broken", "group": "vllm_omni.general_plugins",

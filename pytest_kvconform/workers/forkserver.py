@@ -131,7 +131,11 @@ def start(preload: Sequence[str]) -> bool:
     os.mkdir(server_tmp, 0o700)
     tell = {PARENT_ENV: str(os.getpid()), DIR_ENV: _dir,
             PACKAGE_ENV: package_dir(),
-            "TMPDIR": server_tmp}  # what its imports leave in $TMPDIR goes with _dir
+            "TMPDIR": server_tmp,  # what its imports leave in $TMPDIR goes with _dir
+            # Its preload imports what this process imports: this process's sys.path, not
+            # its own current directory first (multiprocessing hands a server no sys.path;
+            # a clone's cwd would shadow the installed package, which the guard refuses).
+            "PYTHONSAFEPATH": "1", "PYTHONPATH": _parent_path()}
     saved = {key: os.environ.get(key) for key in tell}
     os.environ.update(tell)  # the server inherits this environment at its start
     try:
@@ -146,6 +150,11 @@ def start(preload: Sequence[str]) -> bool:
     if isinstance(address, str):  # its socket, in this process's multiprocessing pymp-* dir
         tempdirs.claim(os.path.dirname(address))
     return True
+
+
+def _parent_path() -> str:
+    """This process's import path as ``$PYTHONPATH`` (its current directory made explicit)."""
+    return os.pathsep.join(p or os.getcwd() for p in sys.path)
 
 
 def attached() -> bool:
