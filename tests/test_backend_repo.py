@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import textwrap
 from pathlib import Path
 
@@ -23,14 +22,7 @@ import pytest
 
 from pytest_kvconform.report.verdict import EXIT_STACK_REGRESSED
 from tests.conftest import needs_omni
-from tests.wheel_env import REPO, WheelEnv, clean_env, run
-
-
-def run_with(argv: list[str], cwd: Path, env: dict[str, str] | None,
-             timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    """:func:`run`, with ``env`` added to the clean environment."""
-    return subprocess.run(argv, cwd=cwd, env={**clean_env(), **(env or {})},
-                          capture_output=True, text=True, timeout=timeout, check=False)
+from tests.wheel_env import REPO, WheelEnv, run
 
 BACKEND_REPO = {
     "pyproject.toml": '''
@@ -199,7 +191,7 @@ def _suite(python: Path, repo: Path, *args: str, env: dict[str, str] | None = No
     """``pytest --kv-conformance ARGS`` in the repository: (exit status, its output)."""
     argv = [str(python), "-m", "pytest", "--kv-conformance",
             *([] if cache else ["-p", "no:cacheprovider"]), *args]
-    done = run_with(argv, repo, env)
+    done = run(argv, repo, timeout=900, extra=env)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -317,7 +309,7 @@ def test_the_readme_quickstart_and_ci_job_run_as_written(wheel_env: WheelEnv,
     env = {"CONFORMANCE_SUITE": f"{venv.wheel}[omni]",
            "PATH": f"{venv.python.parent}{os.pathsep}{os.environ['PATH']}"}
     for step in steps:
-        done = run_with(["bash", "-euo", "pipefail", "-c", step], repo, env, timeout=1500)
+        done = run(["bash", "-euo", "pipefail", "-c", step], repo, timeout=1500, extra=env)
         out = done.stdout + done.stderr
         assert done.returncode == 0, f"{step}\n{out[-6000:]}"
     assert "kvconform: verdict for MY_ATTN: qualified" in out, out[-6000:]

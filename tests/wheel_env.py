@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +38,11 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def run(argv: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, cwd=cwd, env=clean_env(), capture_output=True, text=True,
-                          timeout=timeout, check=False)
+def run(argv: list[str], cwd: Path, timeout: float = 600,
+        extra: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``argv`` in :func:`clean_env`, with ``extra`` variables added."""
+    return subprocess.run(argv, cwd=cwd, env={**clean_env(), **(extra or {})},
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def uv(*args: str, cwd: Path) -> str:
