@@ -21,8 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 UV_ERROR = """py311-x: install_deps> uv pip install -r requirements/x.txt
 \x1b[31mUsing Python 3.11.7 environment at: .tox/py311-x
 error: No solution found when resolving dependencies
@@ -84,4 +82,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # Run as a script, it imports tests.report_rows from the clone; imported (test_matrix),
+    # it must not put the clone first on the importing process's path.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main(sys.argv[1:]))

@@ -248,6 +248,25 @@ def test_a_forked_worker_gets_its_parents_environment_at_start(
         own.close()
 
 
+
+def test_another_copy_put_first_on_the_path_is_not_what_the_server_imports(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conftest's ``sys.path.insert(0, clone)`` after this process imported the package:
+    the server still imports this process's copy (the guard refuses any other), and forks."""
+    copy = tmp_path / "pytest_kvconform"
+    copy.mkdir()
+    (copy / "__init__.py").write_text("raise ImportError('the other copy was imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    forkserver.stop()  # a server started earlier would be reused
+    own = workers.WorkerPool(preload=())
+    try:
+        assert own.warm(["cpu"]) and forkserver.wait_ready(60), forkserver.log_tail()
+        (handle,) = own.get(["cpu"])
+        assert handle.method == "forkserver" and handle.info["start_method"] == "forkserver"
+    finally:
+        own.close()
+
+
 STOPS = """
 import os
 from pytest_kvconform.adapters import seeds

@@ -153,8 +153,15 @@ def start(preload: Sequence[str]) -> bool:
 
 
 def _parent_path() -> str:
-    """This process's import path as ``$PYTHONPATH`` (its current directory made explicit)."""
-    return os.pathsep.join(p or os.getcwd() for p in sys.path)
+    """This process's import path as ``$PYTHONPATH`` (its current directory made explicit),
+    less any entry holding another copy of this package: a directory put first after this
+    process imported it (a conftest's ``sys.path.insert(0, clone)``) would have the server
+    import that copy, which the guard refuses."""
+    own = os.path.dirname(package_dir())
+    entries = [os.path.abspath(p or os.getcwd()) for p in sys.path]
+    return os.pathsep.join(
+        p for p in entries
+        if p == own or not os.path.isdir(os.path.join(p, "pytest_kvconform")))
 
 
 def attached() -> bool:
