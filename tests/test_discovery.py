@@ -16,17 +16,17 @@ class B:
         return False
 
 
-def fake_registry() -> tuple[list[BackendUnderTest], str | None]:
+def fake_registry(names: object = None) -> tuple[list[BackendUnderTest], str | None]:
     return [BackendUnderTest("ZETA", "m.Z", "registry", cls=B),
             BackendUnderTest("ALPHA", "m.A", "registry", error="ImportError (no message)")], None
 
 
-def no_omni() -> tuple[list[BackendUnderTest], str | None]:
+def no_omni(names: object = None) -> tuple[list[BackendUnderTest], str | None]:
     return [], discovery.OMNI_MISSING
 
 
 def test_sorted_and_unimportable_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(discovery, "platform_backend", lambda paths: (None, None))
+    monkeypatch.setattr(discovery, "platform_backend", lambda paths, only=None: (None, None))
     found = discovery.discover([{"MID": B}, None, {"LATE": "no_such_mod_x:Y"}],
                                registry=fake_registry, include_entry_points=False)
     assert found.names == ["ALPHA", "LATE", "MID", "ZETA"]
@@ -36,9 +36,32 @@ def test_sorted_and_unimportable_kept(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_collision_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(discovery, "platform_backend", lambda paths: (None, None))
+    monkeypatch.setattr(discovery, "platform_backend", lambda paths, only=None: (None, None))
     with pytest.raises(discovery.DiscoveryError, match="'ZETA' is defined twice"):
         discovery.discover([{"ZETA": B}], registry=fake_registry, include_entry_points=False)
+
+
+
+def test_a_run_naming_backends_imports_no_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kv-backend: the registry's and the platform's others are listed, not imported (a
+    broken or slow one cannot touch a backend repository's run); a hook backend of a
+    left-out name is still a collision."""
+    asked: list[object] = []
+
+    def registry(names: object = None) -> tuple[list[BackendUnderTest], str | None]:
+        asked.append(names)
+        return [b for b in fake_registry()[0] if names is None or b.name in names], None  # type: ignore[operator]
+
+    platform = BackendUnderTest("PLAT", "p.PLAT", "platform")  # no class: not imported
+    monkeypatch.setattr(discovery, "registry_paths", lambda: {"ZETA": "m.Z", "ALPHA": "m.A"})
+    monkeypatch.setattr(discovery, "platform_backend", lambda paths, only=None: (platform, None))
+    found = discovery.discover([{"MID": B}], registry=registry, include_entry_points=False,
+                               only=["ZETA", "MID"])
+    assert asked == [["ZETA", "MID"]]
+    assert found.names == ["MID", "ZETA"] and found.left_out == ["ALPHA", "PLAT"]
+    with pytest.raises(discovery.DiscoveryError, match="'ALPHA' is defined twice"):
+        discovery.discover([{"ALPHA": B}], registry=registry, include_entry_points=False,
+                           only=["ZETA"])
 
 
 def test_missing_omni_is_a_note() -> None:

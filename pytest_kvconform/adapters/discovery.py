@@ -42,6 +42,9 @@ class Discovery:
 
     backends: list[BackendUnderTest] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Backends the registry or the platform holds that a run naming others (``only``)
+    # left out, by name: not imported (importing a backend can cost seconds).
+    left_out: list[str] = field(default_factory=list)
 
     @property
     def names(self) -> list[str]:
@@ -105,9 +108,31 @@ def registry_backends(names: Collection[str] | None = None) -> tuple[
     return found, None
 
 
-def platform_backend(known_paths: set[str], head_size: int = 64) -> tuple[
+def registry_paths() -> dict[str, str]:
+    """Every registry member's name and class path, importing no backend ("" where the
+    member cannot say): what a run naming other backends leaves out."""
+    try:
+        from vllm_omni.diffusion.attention.backends.registry import (
+            DiffusionAttentionBackendEnum,
+        )
+    except Exception:
+        return {}
+    paths = {}
+    for member in DiffusionAttentionBackendEnum:
+        try:
+            paths[member.name] = str(member.get_path())
+        except Exception:
+            paths[member.name] = ""
+    return paths
+
+
+def platform_backend(known_paths: set[str], head_size: int = 64,
+                     only: Collection[str] | None = None) -> tuple[
         BackendUnderTest | None, str | None]:
-    """The current Omni platform's default backend, when it is not a registry member."""
+    """The current Omni platform's default backend, when it is not a registry member.
+
+    With ``only``, a backend of another name is not imported: it comes back without a
+    class or an error, for :func:`discover` to list as left out."""
     try:
         from vllm_omni.platforms import current_omni_platform
 
@@ -120,6 +145,8 @@ def platform_backend(known_paths: set[str], head_size: int = 64) -> tuple[
         return None, None
     name = path.rsplit(".", 1)[-1]
     origin = f"the Omni platform {_path_of(type(current_omni_platform))}"
+    if only is not None and name not in only:
+        return BackendUnderTest(name, path, "platform", origin=origin), None
     try:
         return BackendUnderTest(name, path, "platform", cls=import_object(path),
                                 origin=origin), None
@@ -176,21 +203,28 @@ def entry_point_backends() -> list[BackendUnderTest]:
     return found
 
 
+Registry = Callable[[Collection[str] | None], tuple[list[BackendUnderTest], str | None]]
+
+
 def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
              *, include_registry: bool = True,
              include_entry_points: bool = True,
-             registry: Callable[[], tuple[list[BackendUnderTest], str | None]] = registry_backends,
+             registry: Registry = registry_backends,
              origins: Origins | None = None,
+             only: Collection[str] | None = None,
              ) -> Discovery:
     """All backends, sorted by name; a name defined by two sources is an error.
 
     Load the plugins first (``omni_plugins.load_plugins``), as production does
     before it resolves a backend, and pass the result as ``origins``: each
-    registry member then says who put its class there.
+    registry member then says who put its class there.  With ``only`` (a
+    ``--kv-backend`` run), the registry's and the platform's other backends are
+    listed in ``left_out`` by name, not imported; hook and entry-point backends
+    are all loaded (a callable entry point names its backends only when called).
     """
     result = Discovery()
     if include_registry:
-        found, reason = registry()
+        found, reason = registry(only)
         if origins is not None:
             found = [dataclasses.replace(b, origin=origins.origin_of(b.name, b.overridden))
                      for b in found]
@@ -198,8 +232,14 @@ def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
         if reason:
             result.notes.append(reason)
         else:
-            extra, note = platform_backend({b.path for b in found})
-            if extra is not None:
+            paths = {b.name: b.path for b in found}
+            if only is not None:
+                paths = {**registry_paths(), **paths}
+                result.left_out.extend(name for name in paths if name not in only)
+            extra, note = platform_backend(set(paths.values()), only=only)
+            if extra is not None and only is not None and extra.name not in only:
+                result.left_out.append(extra.name)
+            elif extra is not None:
                 result.backends.append(extra)
             if note:
                 result.notes.append(note)
@@ -208,6 +248,12 @@ def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
             result.backends.extend(_from_mapping(mapping, "hook"))
     if include_entry_points:
         result.backends.extend(entry_point_backends())
+    for backend in result.backends:
+        if backend.name in result.left_out:
+            raise DiscoveryError(f"backend name {backend.name!r} is defined twice: by the "
+                                 f"registry or the platform and by {backend.source} "
+                                 f"({backend.path})")
+    result.left_out.sort()
     seen: dict[str, BackendUnderTest] = {}
     for backend in result.backends:
         if backend.name in seen:

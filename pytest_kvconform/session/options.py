@@ -28,7 +28,8 @@ def add_options(parser: pytest.Parser) -> None:
          "attention backend", action="store_true", default=None, ini_type="bool",
          ini_default=False)
     both("--kv-backend", "kv_backend",
-         "check only this backend (repeatable); an unknown name lists the available ones",
+         "check only this backend (repeatable; others are not imported); an unknown name "
+         "lists the available ones",
          action="append", default=None, metavar="NAME", ini_type="linelist", ini_default=[])
     both("--kv-device", "kv_device",
          "device the worker allocates on: auto (CUDA when visible, else cpu), cpu, cuda, "

@@ -124,7 +124,8 @@ class KvSelection:
                 # warnings would otherwise print before the session starts.
                 warnings.simplefilter("ignore", DeprecationWarning)
                 self.plugins = load_plugins(self.options.plugins)
-                self.discovery = discover(hook_results, origins=self.plugins)
+                self.discovery = discover(hook_results, origins=self.plugins,
+                                          only=self.options.backends or None)
                 if compat.omni_installed() and compat.production_import_error() is None:
                     # Detecting KV-A's entry point imports production's worker, whose
                     # optional dependencies print when absent (transformers, torchvision).
@@ -146,13 +147,13 @@ class KvSelection:
             raise pytest.UsageError(_hook_failure(hook.get_hookimpls(), exc)) from None
 
     def _select_backends(self) -> None:
-        self.all_backend_names = set(self.discovery.names)
+        self.all_backend_names = set(self.discovery.names) | set(self.discovery.left_out)
         wanted = self.options.backends
         if not wanted:
             return
-        available = self.discovery.names
-        unknown = [name for name in wanted if name not in available]
+        unknown = [name for name in wanted if name not in self.discovery.names]
         if unknown:
+            available = sorted(self.all_backend_names)
             listing = ", ".join(available) or "(none: " + "; ".join(self.discovery.notes) + ")"
             raise pytest.UsageError(f"--kv-backend: unknown backend {', '.join(unknown)}; "
                                     f"available backends: {listing}")
@@ -166,7 +167,8 @@ class KvSelection:
             return ["kvconform: backends: discovered by each xdist worker, listed after the run",
                     cases, *known]
         plugin_lines = self.plugins.header_lines() if self.plugins is not None else []
-        return [self._backends_line(self.backend_dicts(), "", self.discovery_seconds), cases,
+        return [self._backends_line(self.backend_dicts(), "", self.discovery_seconds,
+                                    sorted(self.all_backend_names)), cases,
                 *known, *self._detail_lines(self.discovery.notes, plugin_lines),
                 *self._import_log_lines(self.import_log)]
 
@@ -184,7 +186,7 @@ class KvSelection:
             return ["kvconform: no xdist worker reported its discovery (see the errors above)",
                     *self.remote_notes]
         lines = [self._backends_line(found["backends"], " by the xdist workers",
-                                     found["seconds"]),
+                                     found["seconds"], found["all_names"]),
                  *self._detail_lines(found["notes"], found["plugin_lines"]),
                  *self._import_log_lines(found.get(run_env.IMPORT_LOG_KEY)),
                  *self.remote_notes]
@@ -193,10 +195,16 @@ class KvSelection:
         return lines
 
     @staticmethod
-    def _backends_line(backends: list[dict[str, Any]], where: str, seconds: float) -> str:
+    def _backends_line(backends: list[dict[str, Any]], where: str, seconds: float,
+                       all_names: list[str]) -> str:
+        """The backends under test; with --kv-backend, also those left out (not imported)."""
         importable = sum(bool(b["importable"]) for b in backends)
+        names = [b["name"] for b in backends]
+        others = [name for name in all_names if name not in names]
+        left = (f"; {len(others)} left out by --kv-backend (not imported): {', '.join(others)}"
+                if others else "")
         return (f"kvconform: {len(backends)} backends ({importable} importable) discovered"
-                f"{where} in {seconds:.1f}s: {', '.join(b['name'] for b in backends) or '-'}")
+                f"{where} in {seconds:.1f}s: {', '.join(names) or '-'}{left}")
 
     @staticmethod
     def _detail_lines(notes: list[str], plugin_lines: list[str]) -> list[str]:
