@@ -21,19 +21,12 @@ from pathlib import Path
 import pytest
 
 from pytest_kvconform.report.verdict import EXIT_STACK_REGRESSED
+from tests.backend_repo_files import SDPA_BACKENDS, pyproject
 from tests.conftest import needs_omni
 from tests.wheel_env import REPO, WheelEnv, run
 
 BACKEND_REPO = {
-    "pyproject.toml": '''
-        [build-system]
-        requires = ["setuptools>=77"]
-        build-backend = "setuptools.build_meta"
-
-        [project]
-        name = "my-backends"
-        version = "0.1"
-
+    "pyproject.toml": pyproject("my-backends") + textwrap.dedent('''
         [project.entry-points."pytest_kvconform.backends"]
         MY_EP_ATTN = "my_backends.attention:EntryPointBackend"
 
@@ -44,42 +37,9 @@ BACKEND_REPO = {
         addopts = "--strict-markers --import-mode=importlib"
         filterwarnings = ["error"]
         testpaths = ["tests"]
-    ''',
+    '''),
     "my_backends/__init__.py": "",
-    "my_backends/attention.py": '''
-        """Two backends of a backend repository: one per registration route."""
-
-        from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
-
-
-        class HookBackend(SDPABackend):
-            supports_paged_kv = True  # production's worker serves paged KV with it
-
-            @classmethod
-            def get_name(cls) -> str:
-                return "MY_HOOK_ATTN"
-
-
-        class EntryPointBackend(SDPABackend):
-            supports_paged_kv = True
-
-            @classmethod
-            def get_name(cls) -> str:
-                return "MY_EP_ATTN"
-
-
-        class SlipBackend(SDPABackend):
-            """A real slip: the declaration written as an instance method."""
-
-            supports_paged_kv = True
-
-            @classmethod
-            def get_name(cls) -> str:
-                return "MY_SLIP"
-
-            def indexes_kv_by_block_stride(self) -> bool:
-                return False
-    ''',
+    "my_backends/attention.py": SDPA_BACKENDS,
     "conftest.py": '''
         import os
 
@@ -292,15 +252,7 @@ def test_the_readme_quickstart_and_ci_job_run_as_written(wheel_env: WheelEnv,
     (repo / path).parent.mkdir(parents=True)
     (repo / path).write_text(backend)
     (repo / Path(path).parent / "__init__.py").write_text("")
-    (repo / "pyproject.toml").write_text(textwrap.dedent(f'''
-        [build-system]
-        requires = ["setuptools>=77"]
-        build-backend = "setuptools.build_meta"
-
-        [project]
-        name = "{QUICKSTART}"
-        version = "0.1"
-    ''') + "\n" + entry_point)
+    (repo / "pyproject.toml").write_text(pyproject(QUICKSTART) + "\n" + entry_point)
     steps = [step["run"] for steps in (j["steps"] for j in yaml.safe_load(job)["jobs"].values())
              for step in steps if "run" in step]
     assert steps, job

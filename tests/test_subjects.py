@@ -17,38 +17,15 @@ import pytest
 
 from pytest_kvconform.adapters import plants
 from pytest_kvconform.report.verdict import EXIT_STACK_REGRESSED
+from tests.backend_repo_files import SDPA_BACKENDS
 from tests.conftest import needs_omni
 from tests.seeding import Seeder, literal
 
 pytestmark = needs_omni
 
-BACKENDS = '''
-from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
-
-
-class Conforms(SDPABackend):
-    supports_paged_kv = True
-
-    @classmethod
-    def get_name(cls) -> str:
-        return "MY_ATTN"
-
-
-class Slip(SDPABackend):
-    """The declaration written as an instance method: not callable on the class."""
-
-    supports_paged_kv = True
-
-    @classmethod
-    def get_name(cls) -> str:
-        return "MY_SLIP"
-
-    def indexes_kv_by_block_stride(self) -> bool:
-        return False
-'''
 CONFTEST = '''
 def pytest_kvconform_backends(config):
-    return {"MY_ATTN": "my_backends:Conforms", "MY_SLIP": "my_backends:Slip"}
+    return {"MY_HOOK_ATTN": "my_backends:HookBackend", "MY_SLIP": "my_backends:SlipBackend"}
 '''
 STRIDES = "(kv_s1 and bf16_h8 and BLNHC)"
 
@@ -56,7 +33,7 @@ STRIDES = "(kv_s1 and bf16_h8 and BLNHC)"
 @pytest.fixture
 def repo(pytester: pytest.Pytester) -> pytest.Pytester:
     """A pytester directory registering a conforming backend and a slipped one."""
-    pytester.makepyfile(my_backends=BACKENDS)
+    pytester.makepyfile(my_backends=SDPA_BACKENDS)
     pytester.makeconftest(CONFTEST)
     pytester.syspathinsert()
     return pytester
@@ -71,31 +48,32 @@ def test_the_shipped_findings_apply_without_naming_a_file(repo: pytest.Pytester,
                                                           kv_run: Any) -> None:
     """--kv-xfails auto: the stack's known finding on the backend is an xfail, listed under
     the stack and as biting the backend; the backend's own results decide the exit."""
-    result = kv_run("--kv-backend", "MY_ATTN", "-k", "kv_l1 or kv_l2 or kv_l8_alias",
+    result = kv_run("--kv-backend", "MY_HOOK_ATTN", "-k", "kv_l1 or kv_l2 or kv_l8_alias",
                     "--kv-xfails", "auto", "--kv-report", "r.json")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
     result.assert_outcomes(passed=2, xfailed=1)
     result.stdout.fnmatch_lines([
         # the registry's backends are listed, not imported (a broken one cannot touch this)
-        "kvconform: 1 backends (1 importable) discovered in *s: MY_ATTN; * left out by "
+        "kvconform: 1 backends (1 importable) discovered in *s: MY_HOOK_ATTN; * left out by "
         "--kv-backend (not imported): *FLASH_ATTN*MY_SLIP*",
         "kvconform: known findings: pytest_kvconform/known/vllm_omni_0_30.toml (shipped; "
         "written for the installed vllm 0.30.0, vllm-omni 0.30.0)",
-        "kvconform: verdict for MY_ATTN: partial (left out: -k *",
+        "kvconform: verdict for MY_HOOK_ATTN: partial (left out: -k *",
         "kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 1 known finding result listed, "
         "no regression",
-        "kvconform: MY_ATTN is bitten in production by the stack's findings: KV-L8 "
+        "kvconform: MY_HOOK_ATTN is bitten in production by the stack's findings: KV-L8 "
         "test_kv_l8_alias (known: vllm_omni_0_30.toml:1 */KV-L8/test_kv_l8_alias)"])
     data = _report(repo)
     subjects = {r["nodeid"].rpartition("::")[2]: r["subject"] for r in data["results"]}
-    assert subjects == {"test_kv_l1[MY_ATTN]": "backend", "test_kv_l2[MY_ATTN]": "backend",
-                        "test_kv_l8_alias[MY_ATTN]": "stack"}
-    assert data["stack"]["known"] == ["kvconform/test_layout.py::test_kv_l8_alias[MY_ATTN]"]
+    assert subjects == {"test_kv_l1[MY_HOOK_ATTN]": "backend",
+                        "test_kv_l2[MY_HOOK_ATTN]": "backend",
+                        "test_kv_l8_alias[MY_HOOK_ATTN]": "stack"}
+    assert data["stack"]["known"] == ["kvconform/test_layout.py::test_kv_l8_alias[MY_HOOK_ATTN]"]
     assert data["environment"]["options"]["xfails"].endswith("known/vllm_omni_0_30.toml")
 
 
 def test_none_switches_the_shipped_findings_off(repo: pytest.Pytester, kv_run: Any) -> None:
-    result = kv_run("--kv-backend", "MY_ATTN", "-k", "kv_l1 or kv_l8_alias",
+    result = kv_run("--kv-backend", "MY_HOOK_ATTN", "-k", "kv_l1 or kv_l8_alias",
                     "--kv-xfails", "none")
     result.stdout.fnmatch_lines(["kvconform: known findings: none (--kv-xfails none)"])
     result.assert_outcomes(passed=1, failed=1)
@@ -105,11 +83,11 @@ def test_none_switches_the_shipped_findings_off(repo: pytest.Pytester, kv_run: A
 
 def test_a_scoped_run_without_the_backends_results_says_so(repo: pytest.Pytester,
                                                             kv_run: Any) -> None:
-    result = kv_run("--kv-backend", "MY_ATTN", "-k", STRIDES)
+    result = kv_run("--kv-backend", "MY_HOOK_ATTN", "-k", STRIDES)
     result.assert_outcomes(passed=1)
     assert result.ret == pytest.ExitCode.OK  # nothing failed; strict refuses a partial run
-    result.stdout.fnmatch_lines(["kvconform: verdict for MY_ATTN: partial (no result of "
-                                 "MY_ATTN's own ran; left out: *"])
+    result.stdout.fnmatch_lines(["kvconform: verdict for MY_HOOK_ATTN: partial (no result of "
+                                 "MY_HOOK_ATTN's own ran; left out: *"])
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["clean", "hand_strides"])
@@ -119,7 +97,7 @@ def test_a_stack_regression_is_the_stacks(repo: pytest.Pytester, kv_run: Any, se
     stack's regression (exit 6), never the backend's failure."""
     if seeded:
         seed.plant(plants.HAND_STRIDES)
-    result = kv_run("--kv-backend", "MY_ATTN", "-k", f"kv_l1 or {STRIDES}",
+    result = kv_run("--kv-backend", "MY_HOOK_ATTN", "-k", f"kv_l1 or {STRIDES}",
                     "--kv-xfails", "auto", "--kv-report", "r.json")
     data = _report(repo)
     assert data["verdict"] == "partial"  # -k: the backend's results all passed
@@ -130,7 +108,7 @@ def test_a_stack_regression_is_the_stacks(repo: pytest.Pytester, kv_run: Any, se
     assert result.ret == EXIT_STACK_REGRESSED, result.stdout.str()[-3000:]
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        "kvconform: verdict for MY_ATTN: partial (left out: -k *",
+        "kvconform: verdict for MY_HOOK_ATTN: partial (left out: -k *",
         literal("kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 0 known finding results "
                 "listed, 1 regression no known finding describes: KV-S1 "
                 "test_kv_s1[BLNHC-bf16_h8]")])
