@@ -119,6 +119,17 @@ def pytester(_run_imports_done: None, pytester: pytest.Pytester) -> pytest.Pytes
     return pytester
 
 
+@pytest.fixture(scope="module")
+def shared_workers() -> Iterator[None]:
+    """The module's tests (and their in-process runs) share the process's KV-A worker pool:
+    held open between tests, closed after the module."""
+    from pytest_kvconform.workers import pool as workers
+
+    workers.hold()
+    yield
+    workers.release()
+
+
 @pytest.fixture
 def kv_run(pytester: pytest.Pytester) -> Callable[..., pytest.RunResult]:
     """Run the conformance suite inline in the pytester directory."""

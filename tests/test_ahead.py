@@ -20,14 +20,8 @@ from pytest_kvconform.workers import deployment
 from pytest_kvconform.workers import pool as workers
 from tests.conftest import needs_omni
 
-pytestmark = needs_omni
+pytestmark = [needs_omni, pytest.mark.usefixtures("shared_workers")]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _shared_workers() -> Iterator[None]:
-    workers.hold()
-    yield
-    workers.release()
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from pytest_kvconform.workers import pool as workers
 from tests.conftest import needs_omni
 from tests.seeding import Seeder, expect_run
 
-pytestmark = needs_omni
+pytestmark = [needs_omni, pytest.mark.usefixtures("shared_workers")]
 
 PAGED = ("--kv-backend", "FLASH_ATTN")
 # Production's runner asserts each layer's *native* paged backend against the layout, which
@@ -31,12 +31,6 @@ PAGED = ("--kv-backend", "FLASH_ATTN")
 CONTRADICTION = ("*KV-A4 violated*allocated it: DiffusionKVModelRunnerBackend.initialize_kv_cache"
                  " asserts each registered layer*native paged backend*")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _shared_workers():
-    workers.hold()
-    yield
-    workers.release()
 
 
 def _runs_here(fault: str) -> None:

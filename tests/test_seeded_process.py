@@ -544,15 +544,9 @@ def _scrub(value: Any) -> Any:
     return value
 
 
-@pytest.fixture(scope="module")
-def _shared_workers() -> Iterator[None]:
-    workers.hold()
-    yield
-    workers.release()
-
 
 @needs_omni
-@pytest.mark.usefixtures("_shared_workers")
+@pytest.mark.usefixtures("shared_workers")
 @pytest.mark.parametrize("xdist", [False, True], ids=["serial", "xdist"])
 def test_same_inputs_give_the_same_report(pytester: pytest.Pytester, xdist: bool) -> None:
     register_backends(pytester, GOOD_AND_INT_FLAG)
