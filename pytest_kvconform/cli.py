@@ -152,7 +152,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 def _cmd_matrix(args: argparse.Namespace) -> int:
     """Every leg of tox.ini's matrix label; exit 0 only when every leg qualified."""
-    from pytest_kvconform.session.matrix import MatrixUsageError, ToxError, run_matrix
+    from pytest_kvconform.crossversion.release_matrix import MatrixUsageError, ToxError, run_matrix
 
     known: dict[str, Any] = {} if args.xfails is None else \
         {"xfails": args.xfails if args.xfails in ("auto", "none") else

@@ -1,6 +1,6 @@
 """A stand-in for tox, for the matrix's mechanics: ``python tests/fake_tox.py ARGS``.
 
-It answers the four calls ``session/legs.py`` makes (``config -m LABEL``, ``-e NAME
+It answers the four calls ``crossversion/tox_leg.py`` makes (``config -m LABEL``, ``-e NAME
 --notest``, ``exec -e NAME -- probe``, ``-e NAME -- PYTEST_ARGS``) from ``fake_tox.json`` in
 its working directory (the clone's root), one entry per leg::
 

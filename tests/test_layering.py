@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checks", ("checks", "checks.*")),
     ("report", ("report", "report.*")),
     ("session", ("session", "session.*")),
+    ("crossversion", ("crossversion", "crossversion.*")),
     ("gpu", ("gpu", "gpu.*")),
     ("top", ("pytest_kvconform", "plugin", "hookspecs", "api", "cli", "selftest", "selftest.*",
              "suite", "suite.*")),

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.cli import main
+from pytest_kvconform.crossversion import release_matrix as matrix
+from pytest_kvconform.crossversion import tox_leg as legs
 from pytest_kvconform.report.build import ReportError, validate_matrix
-from pytest_kvconform.session import legs, matrix
 from tests import faultkit
 from tests.fake_tox import UV_ERROR
 

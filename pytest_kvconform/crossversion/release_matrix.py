@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pytest_kvconform.crossversion.tox_leg import Leg, LegOutcome, Tox, ToxError, run_leg
 from pytest_kvconform.report.build import (
     ReportError,
     load_report,
@@ -25,7 +26,6 @@ from pytest_kvconform.report.build import (
     write_matrix,
 )
 from pytest_kvconform.report.matrix import build_matrix, describe_leg
-from pytest_kvconform.session.legs import Leg, LegOutcome, Tox, ToxError, run_leg
 from pytest_kvconform.workers.lifetime import terminate_as_interrupt
 
 LABEL = "matrix"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pytest_kvconform.session import stack_probe
+from pytest_kvconform.crossversion import stack_probe
 from pytest_kvconform.workers.lifetime import set_parent_death_signal
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

@@ -1,10 +1,11 @@
 """This environment's serving stack, for a release matrix's leg: its versions, and whether
 vLLM and vllm-omni's control plane import the way the suite imports them.
 
-Run in the leg's environment as ``python -m pytest_kvconform.session.stack_probe``; it prints
-one line, ``kvconform-probe: {json}`` (importing vLLM prints its own lines around it).  A
-vLLM that does not import makes the leg unrunnable; a vllm-omni that does not import (a
-release built for another vLLM) is a note on the leg, whose vLLM-only clauses still run.
+Run in the leg's environment as ``python -m pytest_kvconform.crossversion.stack_probe``;
+it prints one line, ``kvconform-probe: {json}`` (importing vLLM prints its own lines around
+it).  A vLLM that does not import makes the leg unrunnable; a vllm-omni that does not
+import (a release built for another vLLM) is a note on the leg, whose vLLM-only clauses
+still run.
 """
 
 from __future__ import annotations
