@@ -225,7 +225,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_gpu_check(args: argparse.Namespace) -> int:
     """KV-A6, KV-L7 and xdist pinning on this CUDA host; OUT/REPORT.md and JSON."""
     from pytest_kvconform.gpu import check, host
-    from pytest_kvconform.gpu.verdict import Verdict
+    from pytest_kvconform.gpu.check_verdicts import Verdict
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -293,7 +293,7 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
         if Path(args.json).is_dir() or not parent.is_dir():
             return _error(f"{args.json}: cannot write the selftest's JSON there (a directory, "
                           "or its parent is missing)")
-    from pytest_kvconform.selftest import runner, verdict
+    from pytest_kvconform.selftest import catches, runner
 
     try:
         found = runner.run([f.name for f in faults], jobs=args.jobs, timeout=args.timeout,
@@ -303,12 +303,12 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
         print(f"kvconform selftest: interrupted ({type(exc).__name__}); no verdict",
               file=sys.stderr)
         return EXIT_BAD_INPUT
-    sys.stdout.write(verdict.render(found))
+    sys.stdout.write(catches.render(found))
     if args.json is not None:
         import json
 
         try:
-            Path(args.json).write_text(json.dumps(verdict.as_json(found), indent=1) + "\n",
+            Path(args.json).write_text(json.dumps(catches.as_json(found), indent=1) + "\n",
                                        encoding="utf-8")
         except OSError as exc:
             return _error(f"{args.json}: cannot write: {exc.strerror or exc}")

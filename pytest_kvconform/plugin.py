@@ -116,10 +116,10 @@ def _speculate_workers(config: pytest.Config, options: Options, session: KvSessi
     needs them.  An xdist controller runs no test: on a CPU host it starts only the
     server, which its workers share (``forkserver.share``).  Nothing for ``--collect-only``.
     """
-    from pytest_kvconform.session import selection_guess
+    from pytest_kvconform.session import may_need_workers
 
     if (config.option.collectonly or getattr(config.option, "help", False)
-            or not selection_guess.may_select_adoption(config)):
+            or not may_need_workers.may_select_adoption(config)):
         return
     from pytest_kvconform.session.xdist import is_controller
     from pytest_kvconform.workers import pool as workers

@@ -136,7 +136,7 @@ def test_each_deployment_meets_on_the_port_the_harness_handed_it(case: Case) -> 
     """Two deployments in turn on one worker: each rank met on a port of the harness's own
     (below the kernel's ephemeral range), the second on its own, not the one the first
     left in the worker's environment (production reads ``$MASTER_PORT`` first)."""
-    from pytest_kvconform.adapters import around_worker
+    from pytest_kvconform.adapters import worker_seams
 
     handles = workers.pool().get(["cpu"])
     plan = adoption.planned(adoption.check_kv_a1, False, case, handles)
@@ -148,6 +148,6 @@ def test_each_deployment_meets_on_the_port_the_harness_handed_it(case: Case) -> 
             met.append([rank["master_port"] for rank in deployed.report.ranks])
         finally:
             deployed.close()
-    ports = around_worker.rendezvous_ports()
+    ports = worker_seams.rendezvous_ports()
     assert ports is not None and all(port in ports for ranks in met for port in ranks), met
     assert met[0] != met[1], met

@@ -19,7 +19,7 @@ from pytest_kvconform.contract import clauses
 from pytest_kvconform.contract.cases import load_cases
 from pytest_kvconform.contract.outcomes import SkipKind
 from pytest_kvconform.report import build as report
-from pytest_kvconform.suite.runner import FIXTURE
+from pytest_kvconform.suite.check_call import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE_MODULES = ("test_layout", "test_strides", "test_nullblock", "test_adoption")

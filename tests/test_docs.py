@@ -264,7 +264,7 @@ def test_the_changelog_carries_the_versions_in_the_code() -> None:
     import pytest_kvconform
     from pytest_kvconform.gpu import report as gpu_report
     from pytest_kvconform.report import matrix, schema
-    from pytest_kvconform.selftest import verdict
+    from pytest_kvconform.selftest import catches
 
     table = dict(re.findall(r"^\| ([^|]+?) \| `?([^|`]+?)`? \|", text(REPO / "CHANGELOG.md"),
                             re.M))
@@ -275,7 +275,7 @@ def test_the_changelog_carries_the_versions_in_the_code() -> None:
         "contract": pytest_kvconform.CONTRACT_VERSION,
         "report schema": schema.SCHEMA,
         "combined matrix report schema": matrix.MATRIX_SCHEMA,
-        "`kvconform selftest --json`": verdict.SCHEMA,
+        "`kvconform selftest --json`": catches.SCHEMA,
         "`kvconform gpu-check` JSON": gpu_report.SCHEMA,
     }
     assert {k: table.get(k) for k in expected} == expected

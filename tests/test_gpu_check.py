@@ -20,9 +20,7 @@ import pytest
 from pytest_kvconform.adapters import paged_drivers
 from pytest_kvconform.cli import main
 from pytest_kvconform.gpu import host, pinning, report
-from pytest_kvconform.gpu.pinning import PinningError, WorkerRecord, parse_records
-from pytest_kvconform.gpu.sizing import A6Sizing, Probe, a6_sizing
-from pytest_kvconform.gpu.verdict import (
+from pytest_kvconform.gpu.check_verdicts import (
     CheckVerdict,
     Verdict,
     judge_a6,
@@ -30,6 +28,8 @@ from pytest_kvconform.gpu.verdict import (
     judge_pinning,
     judge_sizing,
 )
+from pytest_kvconform.gpu.pinning import PinningError, WorkerRecord, parse_records
+from pytest_kvconform.gpu.sizing import A6Sizing, Probe, a6_sizing
 from tests.conftest import needs_omni
 
 MIB = 2**20

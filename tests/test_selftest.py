@@ -22,7 +22,7 @@ from pytest_kvconform.api import CheckResult
 from pytest_kvconform.cli import build_parser, main
 from pytest_kvconform.contract import clauses
 from pytest_kvconform.contract.outcomes import ErrorKind
-from pytest_kvconform.selftest import runner, verdict
+from pytest_kvconform.selftest import catches, runner
 from tests.conftest import needs_omni
 from tests.seeding import Seeder
 
@@ -38,7 +38,7 @@ def _result(test: str, status: Any, message: str = "") -> CheckResult:
 
 def test_caught_is_a_failure_where_the_clean_install_passes() -> None:
     clean = {"t[a]": _result("t[a]", "passed"), "t[b]": _result("t[b]", "passed")}
-    outcome, detail = verdict.judge(
+    outcome, detail = catches.judge(
         [_result("t[a]", "passed"), _result("t[b]", "failed", "KV-L2 violated: x")], clean)
     assert outcome == "caught"
     assert detail == "1 of 2 guarding results fail that pass clean; first t[b]: KV-L2 violated: x"
@@ -46,7 +46,7 @@ def test_caught_is_a_failure_where_the_clean_install_passes() -> None:
 
 def test_a_failure_the_clean_install_shares_is_not_caught() -> None:
     clean = {"t[a]": _result("t[a]", "failed", "known finding")}
-    outcome, detail = verdict.judge([_result("t[a]", "failed", "KV-L2 violated: y")], clean)
+    outcome, detail = catches.judge([_result("t[a]", "failed", "KV-L2 violated: y")], clean)
     assert outcome == "missed"
     assert detail == ("none of its 1 guarding results fails where the clean install passes: "
                       "1 failed on the clean install too (failed); t[a] clean: known finding")
@@ -54,25 +54,25 @@ def test_a_failure_the_clean_install_shares_is_not_caught() -> None:
 
 def test_passes_errors_and_nothing_run_are_missed() -> None:
     clean = {"t[a]": _result("t[a]", "passed"), "t[b]": _result("t[b]", "passed")}
-    outcome, detail = verdict.judge(
+    outcome, detail = catches.judge(
         [_result("t[a]", "passed"), _result("t[b]", "error", "timed out")], clean)
     assert outcome == "missed"
     assert "1 passed, 1 error (timeout); t[b]: timed out" in detail
-    assert verdict.judge([], clean)[0] == "missed"
-    assert verdict.judge([_result("t[c]", "failed")], clean) == (
+    assert catches.judge([], clean)[0] == "missed"
+    assert catches.judge([_result("t[c]", "failed")], clean) == (
         "missed", "none of its 1 guarding results fails where the clean install passes: 1 "
                   "failed with no clean result to compare")
 
 
-def _verdict(name: str, outcome: Any) -> verdict.FaultResult:
-    return verdict.FaultResult(REGISTRY[name], outcome, "")
+def _verdict(name: str, outcome: Any) -> catches.FaultResult:
+    return catches.FaultResult(REGISTRY[name], outcome, "")
 
 
 def test_exit_status_counts_seedable_faults_only() -> None:
-    found = verdict.SelftestRun({}, [_verdict("wrong_pin", "caught"),
+    found = catches.SelftestRun({}, [_verdict("wrong_pin", "caught"),
                                       _verdict("other_rank_config", "unseedable")])
     assert (found.exit_code, len(found.seedable), len(found.caught)) == (0, 1, 1)
-    assert verdict.summary_line(found).startswith(
+    assert catches.summary_line(found).startswith(
         "kvconform selftest: caught 1/1 seedable faults; 1 not seedable here: other_rank_config")
     for outcome in ("missed", "error"):
         found.faults.append(_verdict("view_offset", outcome))
@@ -169,10 +169,10 @@ def test_selftest_reports_what_the_suite_catches_and_what_it_cannot_see(tmp_path
     outcomes = {r.fault.name: r.outcome for r in found.faults}
     assert outcomes == {"wrong_pin": "caught", "changes_nothing": "missed",
                         "guard_deselected": "missed", "gone_target": "unseedable",
-                        "misnamed_configs": "caught"}, verdict.render(found)
+                        "misnamed_configs": "caught"}, catches.render(found)
     assert found.exit_code == 1 and found.baseline_errors == []
     assert multiprocessing.active_children() == []
-    text = verdict.render(found)
+    text = catches.render(found)
     assert "missed     changes_nothing   [KV-L2]  none of its 1 guarding results fails where " \
            "the clean install passes: 1 passed" in text
     assert "missed     guard_deselected  [KV-N2]  none of its 1 guarding results" in text
@@ -184,7 +184,7 @@ def test_selftest_reports_what_the_suite_catches_and_what_it_cannot_see(tmp_path
     assert lines[0].startswith("stack imported, plugins loaded, backends discovered in ")
     # one baseline per backend and cases: wrong_pin's serves changes_nothing too
     assert sum(" clean " in line for line in lines) == 3
-    record = json.loads(json.dumps(verdict.as_json(found)))
+    record = json.loads(json.dumps(catches.as_json(found)))
     assert record["summary"] | {"prepare_s": 0, "duration_s": 0} == {
         "faults": 5, "seedable": 4, "caught": 2, "exit_code": 1, "prepare_s": 0,
         "duration_s": 0, "jobs": runner.DEFAULT_JOBS}
@@ -260,10 +260,10 @@ def test_cli_prints_the_account_writes_json_and_exits_with_its_status(
         tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, Any] = {}
 
-    def run(faults: Any, **kwargs: Any) -> verdict.SelftestRun:
+    def run(faults: Any, **kwargs: Any) -> catches.SelftestRun:
         seen.update(faults=faults, **kwargs)
         kwargs["progress"]("[1/1] seeded view_offset: 12 failed (1.0s)")
-        return verdict.SelftestRun({"vllm": "0.30.0"}, [_verdict("view_offset", "missed")])
+        return catches.SelftestRun({"vllm": "0.30.0"}, [_verdict("view_offset", "missed")])
 
     monkeypatch.setattr(runner, "run", run)
     out = tmp_path / "st.json"
@@ -274,7 +274,7 @@ def test_cli_prints_the_account_writes_json_and_exits_with_its_status(
     assert captured.out.splitlines()[-1].startswith(
         "kvconform selftest: caught 0/1 seedable faults; not caught: view_offset")
     assert (seen["faults"], seen["jobs"]) == (["view_offset"], 1)
-    assert json.loads(out.read_text())["schema"] == verdict.SCHEMA
+    assert json.loads(out.read_text())["schema"] == catches.SCHEMA
 
 
 def test_cli_defaults_are_the_runners() -> None:

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from pytest_kvconform.session import selection_guess
+from pytest_kvconform.session import may_need_workers
 from pytest_kvconform.session import xdist as xdist_hooks
 from pytest_kvconform.workers import pool as workers
 
@@ -35,7 +35,7 @@ class _Config:
 ])
 def test_may_select_adoption(keyword: str, expected: bool) -> None:
     config = _Config(keyword=keyword, dist="no")
-    assert selection_guess.may_select_adoption(config) is expected, keyword
+    assert may_need_workers.may_select_adoption(config) is expected, keyword
 
 
 def test_an_xdist_controller_is_told_apart() -> None:

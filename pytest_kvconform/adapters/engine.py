@@ -18,7 +18,7 @@ can run is driven instead, and every result names it (:func:`entry_point`):
 ``executor`` (the whole chain), else ``runner`` (production's
 ``DiffusionModelRunner.set_kv_cache_config`` and everything below it).  What the
 harness does around production's methods on either level is listed, once, in
-``adapters/around_worker.py``; no other copy of production's sequence exists here.
+``adapters/worker_seams.py``; no other copy of production's sequence exists here.
 
 The harness owns only lifetime, placement and observation
 (``worker_extension.Observation``).  This module runs inside KV-A worker processes
@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_kvconform.adapters import around_worker, seeds, tiny_pipeline, worker_extension
+from pytest_kvconform.adapters import seeds, tiny_pipeline, worker_extension, worker_seams
 from pytest_kvconform.contract.memory import is_out_of_memory as is_out_of_memory  # re-exported
 from pytest_kvconform.contract.outcomes import HarnessError
 from pytest_kvconform.contract.records import Case
@@ -48,7 +48,7 @@ RUNNER = "runner"
 UNI = "uni"
 MP = "mp"
 # Not production's selection: MP with one rank per KV-A worker, the executor's calls carried
-# over their pipes (``around_worker``); names the chain of such a deployment.
+# over their pipes (``worker_seams``); names the chain of such a deployment.
 PIPE = "pipe"
 # The control plane only hands profile requests to the workers; with the KV budget given
 # as ``kv_cache_memory_bytes`` production's worker skips profiling, so any request does.
@@ -64,7 +64,7 @@ class EntryPoint:
     """The deepest production entry point that can run on this host, and why not higher.
 
     ``unmeasured``: at the executor level, why ``DiffusionWorker``'s constructor cannot
-    complete here (the one step ``around_worker.seams`` leaves out), or None.
+    complete here (the one step ``worker_seams.seams`` leaves out), or None.
     """
 
     level: str  # EXECUTOR, RUNNER or "" (none)
@@ -109,12 +109,12 @@ def entry_point() -> EntryPoint:
     """Feature detection: import production's worker, else its model runner; and a platform
     that can build diffusion attention layers here.  Where the host has no accelerator for
     the worker's device, the executor level runs if the one step the constructor cannot
-    take here can be left out (``around_worker``)."""
+    take here can be left out (``worker_seams``)."""
     why_platform = _no_platform()
     why_executor = _import_error(_MODULES[EXECUTOR]) or why_platform
     if why_executor is None:
-        unmeasured = around_worker.unmeasured_reason(around_worker.worker_device())
-        missing = around_worker.seam_missing() if unmeasured else None
+        unmeasured = worker_seams.unmeasured_reason(worker_seams.worker_device())
+        missing = worker_seams.seam_missing() if unmeasured else None
         if missing is None:
             return EntryPoint(EXECUTOR, unmeasured=unmeasured)
         why_executor = (f"DiffusionWorker's constructor cannot complete on this host "
@@ -152,7 +152,7 @@ class EngineSpec:
     device: str = "cpu"
     need: bool | None = None  # handed to the control plane's seam; None: production as is
     memory: int | None = None  # KV bytes per rank; None: exactly the case's pages
-    # The rendezvous port the harness hands it (around_worker.rendezvous_port); None:
+    # The rendezvous port the harness hands it (worker_seams.rendezvous_port); None:
     # production picks one.  Not what makes two deployments the same.
     master_port: int | None = field(default=None, compare=False)
 
@@ -316,9 +316,9 @@ def error_record(exc: BaseException, stage: str) -> dict[str, Any]:
 
 
 def _host_limit(exc: BaseException) -> str | None:
-    """Why the exception is the host's hardware limit (``around_worker.host_limit``)."""
+    """Why the exception is the host's hardware limit (``worker_seams.host_limit``)."""
     try:
-        return around_worker.host_limit(exc)
+        return worker_seams.host_limit(exc)
     except Exception:  # no platform to ask for the worker's device: nothing to tell
         return None
 
@@ -399,7 +399,7 @@ def _block_size(od: Any, spec: EngineSpec) -> int | None:
 
 class RankHost(worker_extension.Observation):
     """Stands in for ``DiffusionWorker`` where it cannot be imported: hosts its runner
-    (runner level; what it does around the runner: ``around_worker``)."""
+    (runner level; what it does around the runner: ``worker_seams``)."""
 
     def __init__(self, od: Any, rank: int) -> None:
         import os
@@ -447,13 +447,13 @@ class RankHost(worker_extension.Observation):
 def rank_worker(od: Any, rank: int) -> Any:
     """One rank of a deployment whose control plane runs in another process: production's
     worker, built as the multiproc executor's worker process builds it (its queues, the
-    executor's transport, are not built), else :class:`RankHost` (``around_worker``)."""
+    executor's transport, are not built), else :class:`RankHost` (``worker_seams``)."""
     if entry_point().level != EXECUTOR:
         return RankHost(od, rank)
     from vllm_omni.diffusion.worker.diffusion_worker import WorkerProc
 
-    around_worker.await_rendezvous(od, rank)
-    with around_worker.seams():
+    worker_seams.await_rendezvous(od, rank)
+    with worker_seams.seams():
         return WorkerProc._create_worker(WorkerProc.__new__(WorkerProc), rank, od,
                                          od.worker_extension_cls,
                                          getattr(od, "custom_pipeline_args", None))
@@ -526,7 +526,7 @@ class Engine:
         od = od_config(spec, selected,
                        executor_backend=spec.topology if point.level == EXECUTOR else None)
         try:
-            with around_worker.seams() if point.level == EXECUTOR else contextlib.nullcontext():
+            with worker_seams.seams() if point.level == EXECUTOR else contextlib.nullcontext():
                 self.executor = self._make_executor(point, od)
         except Exception as exc:
             self.report = EngineReport(via=point.chain(spec.topology),

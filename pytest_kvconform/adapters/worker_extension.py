@@ -196,13 +196,13 @@ def __getattr__(name: str) -> Any:
     if name == "KvConformWorkerExtension":
         from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
 
-        from pytest_kvconform.adapters import around_worker, seeds
+        from pytest_kvconform.adapters import seeds, worker_seams
 
         apply_override()
         # A seeded regression, and the harness's seams, reach the worker processes
         # production spawns this way (a forked one has them already).
         _SEEDED.enter_context(seeds.inherited())
-        _SEEDED.enter_context(around_worker.seams())
+        _SEEDED.enter_context(worker_seams.seams())
         cls = type("KvConformWorkerExtension", (Observation, CustomPipelineWorkerExtension),
                    {"__module__": __name__,
                     "__doc__": "Production's custom-pipeline extension plus the harness's "

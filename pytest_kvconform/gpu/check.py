@@ -9,7 +9,7 @@ Two pytest runs of the installed suite, each in its own process with its log in 
    what each xdist worker was pinned to.
 
 Then KV-A6's sizing for GPU 0's free memory, computed here by the control plane
-(``gpu/sizing.py``), and the verdicts (``gpu/verdict.py``) into OUT/REPORT.md and JSON.
+(``gpu/sizing.py``), and the verdicts (``gpu/check_verdicts.py``) into OUT/REPORT.md and JSON.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pytest_kvconform.adapters import paged_standins, run_env
+from pytest_kvconform.gpu import check_verdicts, pinning, report
 from pytest_kvconform.gpu import host as gpu_host
-from pytest_kvconform.gpu import pinning, report, verdict
+from pytest_kvconform.gpu.check_verdicts import CheckVerdict, Verdict
 from pytest_kvconform.gpu.sizing import A6Sizing, a6_sizing
-from pytest_kvconform.gpu.verdict import CheckVerdict, Verdict
 from pytest_kvconform.report.build import ReportError, load_report
 from pytest_kvconform.report.env import environment_info
 
@@ -120,10 +120,10 @@ def run(out: Path, *, memory_fraction: float, gpus: gpu_host.GpuHost,
     results, problem = _suite_results(out)
     checks = [_unreadable("KV-A6", problem, "suite.log"),
               _unreadable("KV-L7", problem, "suite.log")] if problem else \
-        [verdict.judge_a6(results), verdict.judge_l7(results)]
+        [check_verdicts.judge_a6(results), check_verdicts.judge_l7(results)]
     try:
         records = pinning.read_records(out / PINNING_FILE)
-        checks.append(verdict.judge_pinning(records, len(gpus.devices)))
+        checks.append(check_verdicts.judge_pinning(records, len(gpus.devices)))
     except pinning.PinningError as exc:
         records = []
         checks.append(_unreadable("xdist pinning", str(exc), "pinning.log"))
@@ -134,7 +134,7 @@ def run(out: Path, *, memory_fraction: float, gpus: gpu_host.GpuHost,
     with run_env.applied(), run_env.captured_output() as printed:
         try:
             sizings = _sizings(free_memory(0), memory_fraction, sizing_device)
-            checks.append(verdict.judge_sizing(sizings))
+            checks.append(check_verdicts.judge_sizing(sizings))
         except Exception as exc:  # the control plane's own failure, reported as such
             checks.append(CheckVerdict("KV-A6 sizing", Verdict.FAILED, "the control plane "
                                        f"raised {type(exc).__name__}: {exc}"))

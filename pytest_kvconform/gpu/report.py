@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pytest_kvconform.gpu.verdict import CheckVerdict, Verdict
+from pytest_kvconform.gpu.check_verdicts import CheckVerdict, Verdict
 
 SCHEMA = "kvconform-gpu-check/1"
 JSON_NAME = "gpu-check.json"

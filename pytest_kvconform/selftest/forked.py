@@ -30,7 +30,7 @@ from pytest_kvconform.adapters import fault_registry
 from pytest_kvconform.adapters.fault_registry import Fault
 from pytest_kvconform.api import CheckResult, check_backend
 from pytest_kvconform.contract.records import BackendUnderTest
-from pytest_kvconform.selftest.verdict import first_line
+from pytest_kvconform.selftest.catches import first_line
 from pytest_kvconform.workers import forkserver, lifetime, tempdirs
 
 DEVICE = "cpu"  # where the checks (and the KV-A workers) run

@@ -22,8 +22,8 @@ from pytest_kvconform.adapters.fault_registry import Fault
 from pytest_kvconform.api import CheckResult
 from pytest_kvconform.contract import clauses as clauses_mod
 from pytest_kvconform.contract.records import BackendUnderTest
+from pytest_kvconform.selftest.catches import FaultResult, SelftestRun, judge
 from pytest_kvconform.selftest.forked import DEVICE, Selection, Task, run_all, selection
-from pytest_kvconform.selftest.verdict import FaultResult, SelftestRun, judge
 from pytest_kvconform.workers import forkserver, lifetime
 
 DEFAULT_TIMEOUT_S = 600.0  # one fault's (or baseline's) run, seeding to last result

@@ -11,7 +11,7 @@ it, and so does the end of the test it was for: a wrong plan costs time, never a
 
 The running test's own workers are set aside first (:meth:`Ahead.own`), so the tests
 take their workers in their order, as without this.  Deployments then start at once:
-each is handed a rendezvous port of the harness's own (``adapters/around_worker.py``).
+each is handed a rendezvous port of the harness's own (``adapters/worker_seams.py``).
 
 Only clause-table checks, not KV-A6 (which sizes its allocation from a worker's free
 memory), and only on idle, ready forked workers: this never waits.

@@ -15,7 +15,7 @@ import pytest
 from pytest_kvconform.checks import adoption, adoption_bytes
 from pytest_kvconform.contract import clauses
 from pytest_kvconform.contract.records import BackendUnderTest, Case
-from pytest_kvconform.suite.runner import run_check
+from pytest_kvconform.suite.check_call import run_check
 
 # The case predicates live in the clause table (``with_args``: a lone function would be
 # taken as the decorated test).

@@ -8,7 +8,7 @@ import pytest
 
 from pytest_kvconform.checks import layout
 from pytest_kvconform.contract.records import BackendUnderTest
-from pytest_kvconform.suite.runner import run_check
+from pytest_kvconform.suite.check_call import run_check
 
 # user_properties key: which layouts x cases KV-L7 covered, and which did not apply.
 L7_COVERAGE_PROPERTY = "kv_l7_coverage"

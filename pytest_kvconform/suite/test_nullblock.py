@@ -7,7 +7,7 @@ import pytest
 from pytest_kvconform.checks import nullblock
 from pytest_kvconform.contract import clauses
 from pytest_kvconform.contract.records import Case
-from pytest_kvconform.suite.runner import run_check
+from pytest_kvconform.suite.check_call import run_check
 
 # ``with_args``: a named function as the only argument would be taken as the decorated test.
 _one_rank_one_group = clauses.one_rank_one_group

@@ -7,7 +7,7 @@ import pytest
 from pytest_kvconform.checks import strides
 from pytest_kvconform.contract import clauses
 from pytest_kvconform.contract.records import Case
-from pytest_kvconform.suite.runner import run_check
+from pytest_kvconform.suite.check_call import run_check
 
 # The case predicates live in the clause table.
 _plain = clauses.plain

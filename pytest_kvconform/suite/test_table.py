@@ -17,7 +17,7 @@ import pytest
 
 from pytest_kvconform.checks.arguments import Sources, arguments
 from pytest_kvconform.contract import clauses
-from pytest_kvconform.suite.runner import FIXTURE, run_check
+from pytest_kvconform.suite.check_call import FIXTURE, run_check
 
 # The hand-written suite modules; a test function defined there is not generated.
 HAND_WRITTEN = ("test_layout", "test_strides", "test_nullblock", "test_adoption")

@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pytest_kvconform.adapters import around_worker, seeds
+from pytest_kvconform.adapters import seeds, worker_seams
 from pytest_kvconform.adapters.worker_extension import process_identity
 from pytest_kvconform.contract import memory
 from pytest_kvconform.contract.memory import is_out_of_memory
@@ -177,7 +177,7 @@ class _WorkerState:
         self.fault: str | None = None
         self._seeded = contextlib.ExitStack()
         # What production's init_device overwrites, as this worker started (its parent's).
-        self._rank_env = {name: os.environ.get(name) for name in around_worker.RANK_ENV}
+        self._rank_env = {name: os.environ.get(name) for name in worker_seams.RANK_ENV}
 
     def handle(self, message: dict[str, Any]) -> Any:
         cmd = message["cmd"]
@@ -225,7 +225,7 @@ class _WorkerState:
         from pytest_kvconform.adapters import engine
 
         self.release()
-        around_worker.fresh_rank_env(self._rank_env)
+        worker_seams.fresh_rank_env(self._rank_env)
         seeds.process_fault(message.get("fault"))  # hang / die: the deployment's process
         _may_have_children()
         self.engine = engine.Engine(message["spec"])
@@ -252,7 +252,7 @@ class _WorkerState:
         from pytest_kvconform.adapters import engine, seeds
 
         self.release()
-        around_worker.fresh_rank_env(self._rank_env)
+        worker_seams.fresh_rank_env(self._rank_env)
         spec = message["spec"]
         fault = message.get("fault")
         self._seeded.enter_context(engine.backend_selected(spec))

@@ -14,7 +14,7 @@ rank) and the deepest production entry point those processes can run
   worker; :class:`PipeExecutor` carries the calls.
 
 What the harness does around production's methods on either path is listed, once, in
-``adapters/around_worker.py``.  The result names the production entry point that ran
+``adapters/worker_seams.py``.  The result names the production entry point that ran
 (``EngineReport.via``).
 
 A deployment may be started ahead (:func:`start_ahead`, while the test before runs): its
@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pytest_kvconform.adapters import around_worker, engine, executor_wire, seeds
+from pytest_kvconform.adapters import engine, executor_wire, seeds, worker_seams
 from pytest_kvconform.adapters.engine import EngineReport, EngineSpec
 from pytest_kvconform.contract.outcomes import Unsupported
 from pytest_kvconform.workers import pool
@@ -139,7 +139,7 @@ def start(spec: EngineSpec, handles: Sequence[WorkerHandle], *, control: str | N
     ahead = _claim(_Request(spec, tuple(handles), control, prepin, seeds.active()))
     if ahead is not None:
         return ahead.finish()
-    spec = replace(spec, master_port=around_worker.rendezvous_port())
+    spec = replace(spec, master_port=worker_seams.rendezvous_port())
     visible = _route(spec, handles)
     if visible is _PARENT:
         return ParentDeployment(handles, spec, control=control, prepin=prepin)
@@ -159,7 +159,7 @@ def _route(spec: EngineSpec, handles: Sequence[WorkerHandle]) -> str | None:
         raise Unsupported("production's diffusion worker cannot run here: "
                           f"{info.get('why_not_runner') or 'unknown'}")
     on_cpu = not any(h.device.startswith("cuda") for h in handles)
-    if spec.topology == engine.MP and (point == engine.RUNNER or on_cpu):  # around_worker
+    if spec.topology == engine.MP and (point == engine.RUNNER or on_cpu):  # worker_seams
         return _PARENT
     gpus = [h.gpu_id for h in handles if h.gpu_id is not None]
     return ",".join(gpus) if spec.topology == engine.MP and len(gpus) > 1 else None
@@ -221,8 +221,8 @@ def start_ahead(spec: EngineSpec, handles: Sequence[WorkerHandle], test: str, *,
     """Send what :func:`start` would send for this deployment, without waiting: the
     workers start it while this process goes on.  False where nothing was started:
     without a rendezvous port of the harness's own, deployments never start at once
-    (``around_worker.rendezvous_port``)."""
-    port = around_worker.rendezvous_port()
+    (``worker_seams.rendezvous_port``)."""
+    port = worker_seams.rendezvous_port()
     if port is None:
         return False
     spec = replace(spec, master_port=port)

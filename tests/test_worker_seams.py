@@ -1,6 +1,6 @@
 """A host without an accelerator: production's worker path as deep as it runs, no false failure.
 
-``adapters/around_worker.py`` tells from torch's own report (never from an error message)
+``adapters/worker_seams.py`` tells from torch's own report (never from an error message)
 that the host has no accelerator for the worker's device, and then leaves out the one step
 of ``DiffusionWorker``'s constructor that needs one (vLLM's ``MemorySnapshot`` measurement).
 Here: that classification against a simulated torch, against the real ``MemorySnapshot``
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import around_worker
+from pytest_kvconform.adapters import worker_seams
 from tests.conftest import needs_omni
 
 
@@ -39,7 +39,7 @@ def test_the_gap_is_read_from_torchs_report(monkeypatch: pytest.MonkeyPatch,
                                             accelerator: str | None, available: bool,
                                             device: str, gap: str | None) -> None:
     _torch_reports(monkeypatch, accelerator, available)
-    found = around_worker.accelerator_gap(device)
+    found = worker_seams.accelerator_gap(device)
     assert found == (None if gap is None else f"this host's torch reports {gap}")
 
 
@@ -57,31 +57,31 @@ def test_a_host_limit_is_torchs_accelerator_api_failing_for_a_device_the_host_la
         monkeypatch: pytest.MonkeyPatch) -> None:
     """By the failing frame's module and torch's report, not by the message."""
     _torch_reports(monkeypatch, "cuda", False)
-    limit = around_worker.host_limit(_raised_in("torch.accelerator.memory"), "cpu")
+    limit = worker_seams.host_limit(_raised_in("torch.accelerator.memory"), "cpu")
     assert limit is not None and "torch.accelerator.memory" in limit
     assert "accelerator cuda (not available)" in limit
     wrapped = RuntimeError("production wrapped it")
     wrapped.__cause__ = _raised_in("torch.cuda.memory")
-    assert around_worker.host_limit(wrapped, "cpu") is not None
-    assert around_worker.host_limit(_raised_in("vllm_omni.diffusion.worker"), "cpu") is None
+    assert worker_seams.host_limit(wrapped, "cpu") is not None
+    assert worker_seams.host_limit(_raised_in("vllm_omni.diffusion.worker"), "cpu") is None
     _torch_reports(monkeypatch, "cuda", True)  # the host has the device's accelerator
-    assert around_worker.host_limit(_raised_in("torch.accelerator.memory"), "cuda:0") is None
+    assert worker_seams.host_limit(_raised_in("torch.accelerator.memory"), "cuda:0") is None
 
 
 SNAPSHOT = """
 import torch
 from vllm.utils.mem_utils import MemorySnapshot
 
-from pytest_kvconform.adapters import around_worker
+from pytest_kvconform.adapters import worker_seams
 
-assert around_worker.accelerator_gap("cpu") is not None  # no GPU on this host
+assert worker_seams.accelerator_gap("cpu") is not None  # no GPU on this host
 try:
     MemorySnapshot(device=torch.device("cpu"))
 except Exception as exc:  # whatever torch raises for it
-    assert around_worker.host_limit(exc, "cpu") is not None, repr(exc)
+    assert worker_seams.host_limit(exc, "cpu") is not None, repr(exc)
 else:
     raise AssertionError("vLLM's MemorySnapshot measured cpu")
-snapshot = around_worker._measured_where_possible(MemorySnapshot)(device=torch.device("cpu"))
+snapshot = worker_seams._measured_where_possible(MemorySnapshot)(device=torch.device("cpu"))
 assert isinstance(snapshot, MemorySnapshot) and not snapshot.auto_measure
 assert (snapshot.free_memory, snapshot.total_memory) == (0, 0)
 print("ok")
@@ -114,10 +114,10 @@ def _worker_module() -> Any:
 def test_the_seams_are_undone_and_never_stacked() -> None:
     worker = _worker_module()
     original = worker.MemorySnapshot
-    with around_worker.seams():
+    with worker_seams.seams():
         seamed = worker.MemorySnapshot
         assert seamed is not original and seamed.kvconform_seam
-        with around_worker.seams():
+        with worker_seams.seams():
             assert worker.MemorySnapshot is seamed
     assert worker.MemorySnapshot is original
 
@@ -180,15 +180,15 @@ def test_a_rank_above_0_waits_for_rank_0s_rendezvous_store_and_no_longer(
     later = threading.Timer(0.05, listen_later)
     try:
         later.start()
-        around_worker.await_rendezvous(SimpleNamespace(master_port=port), 1)
+        worker_seams.await_rendezvous(SimpleNamespace(master_port=port), 1)
         later.join()  # returns once the wait's connection was accepted
         assert len(accepted) == 1
     finally:
         server.close()
-    monkeypatch.setattr(around_worker, "RENDEZVOUS_WAIT_S", 0.05)
-    around_worker.await_rendezvous(SimpleNamespace(master_port=port), 1)  # nothing listens
-    around_worker.await_rendezvous(SimpleNamespace(master_port=None), 1)
-    around_worker.await_rendezvous(SimpleNamespace(master_port=port), 0)  # rank 0 serves
+    monkeypatch.setattr(worker_seams, "RENDEZVOUS_WAIT_S", 0.05)
+    worker_seams.await_rendezvous(SimpleNamespace(master_port=port), 1)  # nothing listens
+    worker_seams.await_rendezvous(SimpleNamespace(master_port=None), 1)
+    worker_seams.await_rendezvous(SimpleNamespace(master_port=port), 0)  # rank 0 serves
 
 
 # --- the rendezvous port ------------------------------------------------------------------
@@ -204,7 +204,7 @@ def test_the_rendezvous_ports_lie_below_the_kernels_ephemeral_range() -> None:
     a starting deployment's do) take none of them."""
     import socket
 
-    ports = around_worker.rendezvous_ports({})
+    ports = worker_seams.rendezvous_ports({})
     assert ports is not None and 1024 <= ports.start and ports.stop <= _ephemeral_low()
     sockets = [socket.socket() for _ in range(200)]
     try:
@@ -217,8 +217,8 @@ def test_the_rendezvous_ports_lie_below_the_kernels_ephemeral_range() -> None:
 
 
 def test_each_xdist_worker_has_its_own_share_of_them() -> None:
-    whole = around_worker.rendezvous_ports({})
-    shares = [around_worker.rendezvous_ports({"PYTEST_XDIST_WORKER": f"gw{i}",
+    whole = worker_seams.rendezvous_ports({})
+    shares = [worker_seams.rendezvous_ports({"PYTEST_XDIST_WORKER": f"gw{i}",
                                               "PYTEST_XDIST_WORKER_COUNT": "4"})
               for i in range(4)]
     assert whole is not None and all(share is not None for share in shares)
@@ -232,24 +232,24 @@ def test_with_master_port_set_production_picks_its_own(monkeypatch: pytest.Monke
     """Production reads ``$MASTER_PORT`` before a config's own: the harness hands none
     (and then nothing starts ahead: ``deployment.start_ahead``)."""
     monkeypatch.setenv("MASTER_PORT", "29500")
-    assert around_worker.rendezvous_ports() is None and around_worker.rendezvous_port() is None
+    assert worker_seams.rendezvous_ports() is None and worker_seams.rendezvous_port() is None
 
 
 def test_each_deployment_gets_the_next_free_port(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    ports = around_worker.rendezvous_ports()
+    ports = worker_seams.rendezvous_ports()
     assert ports is not None
-    monkeypatch.setattr(around_worker._Cursor, "next", 0)
-    first = around_worker.rendezvous_port()
+    monkeypatch.setattr(worker_seams._Cursor, "next", 0)
+    first = worker_seams.rendezvous_port()
     with socket.socket() as taken:  # the next one is in use: skipped
         try:
             taken.bind(("", ports[1]))
             taken.listen()
         except OSError:
             pass  # in use already
-        assert first == ports[0] and around_worker.rendezvous_port() == ports[2]
+        assert first == ports[0] and worker_seams.rendezvous_port() == ports[2]
 
 
 def test_a_worker_that_ran_a_deployment_gets_the_rank_variables_as_at_its_start(
@@ -260,8 +260,8 @@ def test_a_worker_that_ran_a_deployment_gets_the_rank_variables_as_at_its_start(
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "before")
-    at_start = {name: os.environ.get(name) for name in around_worker.RANK_ENV}
+    at_start = {name: os.environ.get(name) for name in worker_seams.RANK_ENV}
     monkeypatch.setenv("MASTER_PORT", "31001")
     monkeypatch.setenv("MASTER_ADDR", "localhost")
-    around_worker.fresh_rank_env(at_start)
+    worker_seams.fresh_rank_env(at_start)
     assert "MASTER_PORT" not in os.environ and os.environ["MASTER_ADDR"] == "before"
