@@ -107,6 +107,22 @@ def test_a_suite_run_claims_every_deployment_it_started(kv_run: Any) -> None:
     assert after["cancelled"] == 0
 
 
+
+def test_off_starts_nothing_ahead_and_changes_no_result(kv_run: Any) -> None:
+    """--kv-ahead off: each deployment starts when its check asks; the same outcomes."""
+    before = deployment.ahead_counts()
+    result = kv_run("--kv-backend", "FLASH_ATTN", "-k", "(kv_a1 or kv_a4) and bf16_h8",
+                    "--kv-ahead", "off")
+    result.assert_outcomes(passed=9, failed=3)
+    assert deployment.ahead_counts() == before
+
+
+def test_a_bad_ahead_value_is_one_usage_error(kv_run: Any) -> None:
+    result = kv_run("--kv-ahead", "sometimes")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kv-ahead: 'sometimes' is not one of on, off*"])
+
+
 def test_a_seeded_fault_counts_for_the_test_that_uses_the_deployment(
         reserved: Any, case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sent ahead under a seeded fault, the commands are the claiming test's, not the one

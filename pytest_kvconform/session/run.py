@@ -69,7 +69,10 @@ class KvSession:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-        """Each test: the coming ones' deployments start meanwhile (``session/ahead.py``)."""
+        """Each test: the coming ones' deployments start meanwhile (``session/ahead.py``),
+        unless ``--kv-ahead off``."""
+        if not self.options.ahead:
+            return (yield)
         from pytest_kvconform.session.ahead import Ahead
 
         if self._ahead is None:
