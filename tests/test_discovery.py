@@ -53,7 +53,8 @@ def test_a_run_naming_backends_imports_no_other(monkeypatch: pytest.MonkeyPatch)
         return [b for b in fake_registry()[0] if names is None or b.name in names], None  # type: ignore[operator]
 
     platform = BackendUnderTest("PLAT", "p.PLAT", "platform")  # no class: not imported
-    monkeypatch.setattr(discovery, "registry_paths", lambda: {"ZETA": "m.Z", "ALPHA": "m.A"})
+    monkeypatch.setattr(discovery, "registry_snapshot",
+                        lambda: {"ZETA": "m.Z", "ALPHA": "m.A"})
     monkeypatch.setattr(discovery, "platform_backend", lambda paths, only=None: (platform, None))
     found = discovery.discover([{"MID": B}], registry=registry, include_entry_points=False,
                                only=["ZETA", "MID"])

@@ -19,6 +19,7 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from pytest_kvconform.adapters import compat
+from pytest_kvconform.adapters.omni_plugins import registry_snapshot
 from pytest_kvconform.contract.outcomes import describe_error
 from pytest_kvconform.contract.records import BackendUnderTest
 
@@ -108,22 +109,9 @@ def registry_backends(names: Collection[str] | None = None) -> tuple[
     return found, None
 
 
-def registry_paths() -> dict[str, str]:
-    """Every registry member's name and class path, importing no backend ("" where the
-    member cannot say): what a run naming other backends leaves out."""
-    try:
-        from vllm_omni.diffusion.attention.backends.registry import (
-            DiffusionAttentionBackendEnum,
-        )
-    except Exception:
-        return {}
-    paths = {}
-    for member in DiffusionAttentionBackendEnum:
-        try:
-            paths[member.name] = str(member.get_path())
-        except Exception:
-            paths[member.name] = ""
-    return paths
+def _left_out(name: str, only: Collection[str] | None) -> bool:
+    """Whether a run naming ``only`` leaves this backend out (and does not import it)."""
+    return only is not None and name not in only
 
 
 def platform_backend(known_paths: set[str], head_size: int = 64,
@@ -145,7 +133,7 @@ def platform_backend(known_paths: set[str], head_size: int = 64,
         return None, None
     name = path.rsplit(".", 1)[-1]
     origin = f"the Omni platform {_path_of(type(current_omni_platform))}"
-    if only is not None and name not in only:
+    if _left_out(name, only):
         return BackendUnderTest(name, path, "platform", origin=origin), None
     try:
         return BackendUnderTest(name, path, "platform", cls=import_object(path),
@@ -232,12 +220,13 @@ def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
         if reason:
             result.notes.append(reason)
         else:
-            paths = {b.name: b.path for b in found}
-            if only is not None:
-                paths = {**registry_paths(), **paths}
-                result.left_out.extend(name for name in paths if name not in only)
+            # Every member's path (the named ones' imported, the others' only read), so the
+            # platform's default is recognised as a member whether or not it was named.
+            paths = {**(registry_snapshot() if only is not None else {}),
+                     **{b.name: b.path for b in found}}
+            result.left_out.extend(name for name in paths if _left_out(name, only))
             extra, note = platform_backend(set(paths.values()), only=only)
-            if extra is not None and only is not None and extra.name not in only:
+            if extra is not None and _left_out(extra.name, only):
                 result.left_out.append(extra.name)
             elif extra is not None:
                 result.backends.append(extra)
@@ -248,14 +237,13 @@ def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
             result.backends.extend(_from_mapping(mapping, "hook"))
     if include_entry_points:
         result.backends.extend(entry_point_backends())
+    result.left_out.sort()
+    seen: dict[str, BackendUnderTest] = {}
     for backend in result.backends:
         if backend.name in result.left_out:
             raise DiscoveryError(f"backend name {backend.name!r} is defined twice: by the "
                                  f"registry or the platform and by {backend.source} "
                                  f"({backend.path})")
-    result.left_out.sort()
-    seen: dict[str, BackendUnderTest] = {}
-    for backend in result.backends:
         if backend.name in seen:
             raise DiscoveryError(f"backend name {backend.name!r} is defined twice: by "
                                  f"{seen[backend.name].source} ({seen[backend.name].path}) and "

@@ -157,11 +157,10 @@ def _parent_path() -> str:
     less any entry holding another copy of this package: a directory put first after this
     process imported it (a conftest's ``sys.path.insert(0, clone)``) would have the server
     import that copy, which the guard refuses."""
-    own = os.path.dirname(package_dir())
+    own, package = os.path.split(package_dir())
     entries = [os.path.abspath(p or os.getcwd()) for p in sys.path]
     return os.pathsep.join(
-        p for p in entries
-        if p == own or not os.path.isdir(os.path.join(p, "pytest_kvconform")))
+        p for p in entries if p == own or not os.path.isdir(os.path.join(p, package)))
 
 
 def attached() -> bool:
