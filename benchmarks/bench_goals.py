@@ -10,8 +10,6 @@ Run in the default environment:  python benchmarks/bench_goals.py [--label L] [-
 - ``serial`` / ``xdist2``: the full ``pytest --kv-conformance`` suite, serial and ``-n 2``;
   ``scoped``: a backend repository's run, ``--kv-backend FLASH_ATTN`` (the in-tree backend
   production serves paged KV with), serial;
-  ``ahead_off``: the serial suite with ``--kv-ahead off`` (no deployment started while
-  the test before runs), first in every other round;
   ``serial_baseline``: with ``--baseline DIR``, the serial suite again with the plugin
   another checkout holds (say, main), in the same rounds, for a before / after under the
   same load;
@@ -139,8 +137,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         rounds: dict[str, list[float]] = {"floor": [], "floor_quiet": [], "serial": [],
-                                          "xdist2": [], "serial_baseline": [], "scoped": [],
-                                          "ahead_off": []}
+                                          "xdist2": [], "serial_baseline": [], "scoped": []}
         base = os.path.abspath(args.baseline) if args.baseline else None
         for i in range(args.suite_repeat):
             tag = f" #{i + 1}" if args.suite_repeat > 1 else ""
@@ -151,8 +148,6 @@ def main() -> int:
             if base is not None:  # each first in every other round
                 serials.insert(i % 2, ("serial_baseline", suite, {"PYTHONPATH": os.pathsep.join(
                     (base, os.path.join(base, "benchmarks")))}))
-            # the serial suite without deployments started ahead, first in every other round
-            serials.insert((i + 1) % 2, ("ahead_off", [*suite, "--kv-ahead", "off"], {}))
             for name, cmd, extra in serials:
                 rounds[name].append(measure(name + tag, cmd, tmp, **extra))
             rounds["xdist2"].append(measure("xdist2" + tag, [*suite, "-n", "2"], tmp))
@@ -162,7 +157,6 @@ def main() -> int:
             statistics.median(rounds[k]) if rounds[k] else float("nan")
             for k in ("floor", "floor_quiet", "serial", "xdist2", "scoped"))
         baseline = statistics.median(rounds["serial_baseline"]) if base else float("nan")
-        ahead_off = statistics.median(rounds["ahead_off"]) if rounds["ahead_off"] else float("nan")
         if args.suite_repeat > 1:
             for name, values in rounds.items():
                 if not values:
@@ -210,7 +204,6 @@ def main() -> int:
         ("serial / quiet import floor", serial / quiet, "(<= 1.6)"),
         (f"baseline serial / import floor ({args.baseline})", baseline / floor, "(<= 1.6)"),
         ("-n 2 / serial", xdist2 / serial, "<= 1.0"),
-        ("serial, --kv-ahead off / serial", ahead_off / serial, "(gain beyond noise)"),
         ("backend-scoped (--kv-backend FLASH_ATTN) / import floor", scoped / floor, "<= 1.3"),
         ("extra adoption case / worker start", per_case / start_s, "<= 0.02"),
         ("plugin off / -p no:kvconform", off / none, "<= 1.02"),

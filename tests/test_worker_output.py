@@ -6,37 +6,12 @@ from __future__ import annotations
 import json
 import os
 import types
-from typing import Any
 
 import pytest
 
 from pytest_kvconform.report import build as report
-from pytest_kvconform.session import ahead as ahead_mod
 from pytest_kvconform.session.worker_output import OUTPUT_KEY, KvWorkerOutput
-from pytest_kvconform.workers import worker_log
 from tests.conftest import needs_omni
-
-
-def test_what_the_harness_runs_between_tests_prints_is_captured(
-        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
-    """Planning the coming tests' deployments runs production's code outside pytest's
-    capture: what it prints (at the descriptor level, as vLLM's handlers do) is the run's."""
-    def noisy(what: str) -> Any:
-        def method(*args: Any) -> bool:
-            os.write(2, f"kvconform-test: {what}\n".encode())
-            return True
-        return method
-
-    for name in ("own", "prepare", "done"):
-        monkeypatch.setattr(ahead_mod.Ahead, name, noisy(name))
-    start = worker_log.mark()
-    item = types.SimpleNamespace(nodeid="t.py::test_x")
-    with ahead_mod.Ahead("cpu", [], []).running(item, None):  # type: ignore[arg-type]
-        os.write(2, b"kvconform-test: the test's own\n")  # pytest's capture: the test's
-    texts = [m["text"] for m in worker_log.since(start)
-             if m["source"] == worker_log.TEST_PROCESS]
-    assert texts == ["kvconform-test: own", "kvconform-test: prepare", "kvconform-test: done"]
-    assert capfd.readouterr().err == "kvconform-test: the test's own\n"
 
 
 def _output(verbose: int = 0, report: str | None = None) -> KvWorkerOutput:
@@ -79,7 +54,7 @@ def test_nothing_is_reported_before_the_run_ended_nor_said_when_nothing_was_prin
 
 # A host whose CPU has AVX512-BF16: vLLM's CPU platform then resets the SSM cache dtype, and
 # says so, for every config it builds (production's own warning, in every process that
-# builds one: the KV-A workers, and the test process when it plans a deployment ahead).
+# builds one: the KV-A workers).
 AVX512_BF16 = '''
 import importlib.abc, importlib.machinery, sys
 

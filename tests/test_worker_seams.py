@@ -229,8 +229,7 @@ def test_each_xdist_worker_has_its_own_share_of_them() -> None:
 
 
 def test_with_master_port_set_production_picks_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Production reads ``$MASTER_PORT`` before a config's own: the harness hands none
-    (and then nothing starts ahead: ``deployment.start_ahead``)."""
+    """Production reads ``$MASTER_PORT`` before a config's own: the harness hands none."""
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert worker_seams.rendezvous_ports() is None and worker_seams.rendezvous_port() is None
 

@@ -45,17 +45,12 @@ harness does exactly this, and nothing elsewhere:
   same ``PipeExecutor``, which then also stands in for the worker's all-gather (every
   rank's answer, in rank order).
 
-- **starting**, on CPU (forked KV-A workers): a deployment may be started while the test
-  before it runs (``session/ahead.py``): its check is run up to its first deployment to
-  learn what it deploys, and exactly that (production's inputs, the same workers, the same
-  seeded fault) is started on idle workers set aside for it.  When the check asks for it
-  it gets it, with nothing production does changed but when it started; a check that asks
-  for anything else cancels it and gets its own.  At most two wait at once.  So
-  deployments start at once, and each is handed its ``master_port``
+- **starting**: deployments overlap (on CPU one tears down while the next starts, and
+  each xdist worker runs its own), so each is handed its ``master_port``
   (:func:`rendezvous_port`, below the kernel's ephemeral range, where no other socket's
   port can land between the config's build and rank 0's bind); production's own choice
   is an ephemeral port.  Where ``$MASTER_PORT`` is set production uses it for every
-  deployment, so nothing starts ahead.  A KV-A worker that ran a deployment gets the
+  deployment.  A KV-A worker that ran a deployment gets the
   variables production's ``init_device`` set as they were at its start
   (:func:`fresh_rank_env`), as in a fresh process.
 

@@ -24,7 +24,7 @@ ClauseFailure.  What production raised fails the clause, naming the function.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -143,8 +143,6 @@ def deploy(run: Run, handles: Sequence[WorkerHandle], *, topology: str,
                       world_size=case.world_size, topology=topology, device=handles[0].device,
                       need=need if need is not None else (run.need if run.seam else None),
                       memory=memory)
-    if _planning:
-        raise Planned(spec, handles, control, prepin)
     try:
         deployed = deployment.start(spec, handles, control=control, prepin=prepin)
     except Unsupported as exc:
@@ -164,40 +162,6 @@ def deploy(run: Run, handles: Sequence[WorkerHandle], *, topology: str,
             deployed.close()
         except HarnessError:
             pass  # a dead worker holds nothing; the check's own outcome stands
-
-
-class Planned(Exception):
-    """The deployment a check asks for first (:func:`planned`)."""
-
-    def __init__(self, spec: EngineSpec, handles: Sequence[WorkerHandle], control: str | None,
-                 prepin: str | None) -> None:
-        super().__init__(spec.backend)
-        self.spec, self.handles, self.control, self.prepin = spec, list(handles), control, prepin
-
-    def start_ahead(self, test: str) -> bool:
-        """Start it now for ``test`` (``deployment.start_ahead``), for its check to find."""
-        return deployment.start_ahead(self.spec, self.handles, test, control=self.control,
-                                      prepin=self.prepin)
-
-
-_planning = False
-
-
-def planned(check: Callable[..., None], *args: Any) -> Planned | None:
-    """The first deployment ``check`` would ask for, with ``args``: the check itself runs up
-    to its first :func:`deploy`, which stops it there (what a check does before it
-    deploys touches no worker).  None where it would skip, fail or deploy nothing first."""
-    global _planning
-    _planning = True
-    try:
-        check(*args)
-    except Planned as plan:
-        return plan
-    except Exception:  # the real run reports it
-        return None
-    finally:
-        _planning = False
-    return None
 
 
 def _production_error(error: dict[str, Any]) -> str:

@@ -65,11 +65,6 @@ def add_options(parser: pytest.Parser) -> None:
          "as production processes do (default); none: check in-tree classes only "
          "(sets VLLM_PLUGINS='')", default=None, metavar="production|none",
          ini_type="string", ini_default="production")
-    both("--kv-ahead", "kv_ahead",
-         "on: start the coming KV-A tests' deployments while the tests before them run "
-         "(default); off: each deployment starts when its check asks for it (what it costs "
-         "and gives: benchmarks/RESULTS.md)", default=None, metavar="on|off",
-         ini_type="string", ini_default="on")
 
 
 @dataclass(frozen=True)
@@ -87,7 +82,6 @@ class Options:
     memory_fraction: float = 0.5
     timeout: float = DEFAULT_TIMEOUT_S
     plugins: str = "production"
-    ahead: bool = True  # session/ahead.py: deployments started while the test before runs
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -114,9 +108,6 @@ class Options:
         plugins = str(get("kv_plugins") or "production")
         if plugins not in ("production", "none"):
             raise pytest.UsageError(f"--kv-plugins: {plugins!r} is not one of production, none")
-        ahead = str(get("kv_ahead") or "on")
-        if ahead not in ("on", "off"):
-            raise pytest.UsageError(f"--kv-ahead: {ahead!r} is not one of on, off")
         return cls(
             enabled=bool(get("kv_conformance")),
             backends=tuple(get("kv_backend") or ()),
@@ -129,14 +120,13 @@ class Options:
             memory_fraction=fraction,
             timeout=timeout,
             plugins=plugins,
-            ahead=ahead == "on",
             raw={
                 "backends": list(get("kv_backend") or []), "device": str(get("kv_device")),
                 "cases": [str(c) for c in cases], "report": report, "xfails": xfails,
                 "strict": bool(get("kv_strict")), "memory_fraction": fraction,
                 "timeout": timeout,
                 "numprocesses": getattr(config.option, "numprocesses", None),
-                "plugins": plugins, "ahead": ahead,
+                "plugins": plugins,
             },
         )
 

@@ -36,7 +36,6 @@ class KvSession:
         self.config = config
         self.options = options
         self.fault: str | None = None
-        self._ahead: Any = None  # session/ahead.py's Ahead, from the first test on
         self.device = "cpu"
         self.gpu_ids: list[str] = []
         # What runs whose processes are gone left in $TMPDIR (SIGKILL): the controller's job.
@@ -67,24 +66,8 @@ class KvSession:
         run_env.restore(self._env_added)
         restore_plugins_env(self._plugins_env)
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-        """Each test: the coming ones' deployments start meanwhile (``session/ahead.py``),
-        unless ``--kv-ahead off``."""
-        if not self.options.ahead:
-            return (yield)
-        from pytest_kvconform.session.ahead import Ahead
-
-        if self._ahead is None:
-            self._ahead = Ahead(self.device, self.gpu_ids, item.session.items)
-        with self._ahead.running(item, nextitem):
-            return (yield)
-
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        """What was started ahead for a test that did not run is cancelled; then what the
-        KV-A workers printed is read (before the results' report, which keeps it)."""
-        if self._ahead is not None:
-            self._ahead.finish()
+        """What the KV-A workers printed is read (before the results' report, which keeps it)."""
         self.worker_output.finish()
 
     @pytest.hookimpl(trylast=True)

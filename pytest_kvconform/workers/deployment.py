@@ -16,23 +16,17 @@ rank) and the deepest production entry point those processes can run
 What the harness does around production's methods on either path is listed, once, in
 ``adapters/worker_seams.py``.  The result names the production entry point that ran
 (``EngineReport.via``).
-
-A deployment may be started ahead (:func:`start_ahead`, while the test before runs): its
-commands are sent then and their replies read by :func:`start` when the check asks for
-exactly that deployment on those workers; any other request cancels it (its replies are
-dropped and the workers release it), so a wrong guess costs time, never a result.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from pytest_kvconform.adapters import engine, executor_wire, seeds, worker_seams
 from pytest_kvconform.adapters.engine import EngineReport, EngineSpec
 from pytest_kvconform.contract.outcomes import Unsupported
-from pytest_kvconform.workers import pool
 from pytest_kvconform.workers.pool import WorkerHandle
 from pytest_kvconform.workers.protocol import WorkerError
 
@@ -51,10 +45,9 @@ class ChildDeployment:
     """The whole engine in one worker process."""
 
     def __init__(self, handle: WorkerHandle, spec: EngineSpec, *, control: str | None,
-                 prepin: str | None, visible_devices: str | None, sent: bool = False) -> None:
+                 prepin: str | None, visible_devices: str | None) -> None:
         self.handle = handle
-        if not sent:
-            handle.send(self.command(spec, control, prepin, visible_devices))
+        handle.send(self.command(spec, control, prepin, visible_devices))
         self.report: EngineReport = handle.receive("engine_run")
 
     @staticmethod
@@ -80,7 +73,7 @@ class ParentDeployment:
     group waits for the others)."""
 
     def __init__(self, handles: Sequence[WorkerHandle], spec: EngineSpec, *,
-                 control: str | None, prepin: str | None, od: Any = None) -> None:
+                 control: str | None, prepin: str | None) -> None:
         self.handles = list(handles)
         self.started: list[WorkerHandle] = []
         point = _entry_point(self.handles)
@@ -88,12 +81,9 @@ class ParentDeployment:
             with engine.backend_selected(spec) as selected, \
                     seeds.seeded(seeds.active()):
                 self.started = self.handles
-                if od is None:  # else the ranks were started ahead with ``od``
-                    od = self.od(spec, selected)
-                    _all(self.handles, lambda rank, handle: handle.send(
-                        self.command(spec, rank, control, od)), "rank_start")
-                else:
-                    _all(self.handles, lambda _rank, _handle: None, "rank_start")
+                od = self.od(spec, selected)
+                _all(self.handles, lambda rank, handle: handle.send(
+                    self.command(spec, rank, control, od)), "rank_start")
                 self.executor = _pipe_executor_class()(
                     od, self.handles, gathered=point.level == engine.EXECUTOR)
                 self.report = engine.run_control_plane(self.executor, od, spec, prepin=prepin)
@@ -136,9 +126,6 @@ def start(spec: EngineSpec, handles: Sequence[WorkerHandle], *, control: str | N
     Raises :class:`Unsupported` when no production worker entry point can run in
     the workers (the reason says what is missing).
     """
-    ahead = _claim(_Request(spec, tuple(handles), control, prepin, seeds.active()))
-    if ahead is not None:
-        return ahead.finish()
     spec = replace(spec, master_port=worker_seams.rendezvous_port())
     visible = _route(spec, handles)
     if visible is _PARENT:
@@ -163,123 +150,6 @@ def _route(spec: EngineSpec, handles: Sequence[WorkerHandle]) -> str | None:
         return _PARENT
     gpus = [h.gpu_id for h in handles if h.gpu_id is not None]
     return ",".join(gpus) if spec.topology == engine.MP and len(gpus) > 1 else None
-
-
-# --- started ahead ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Request:
-    """What makes two deployments the same: production's inputs and the workers."""
-
-    spec: EngineSpec
-    handles: tuple[WorkerHandle, ...]
-    control: str | None
-    prepin: str | None
-    fault: str | None
-
-
-@dataclass
-class _Ahead:
-    test: str  # the test it was started for
-    request: _Request
-    visible: str | None
-    commands: list[dict[str, Any]]
-    od: Any = None
-    complete: bool = False  # every command was sent
-
-    def finish(self) -> Deployment:
-        """The deployment, once the workers answer what was sent ahead."""
-        req = self.request
-        pool.count_faulted(req.fault, len(self.commands))  # the test using it sent them
-        if self.visible is _PARENT:
-            return ParentDeployment(req.handles, req.spec, control=req.control,
-                                    prepin=req.prepin, od=self.od)
-        return ChildDeployment(req.handles[0], req.spec, control=req.control,
-                               prepin=req.prepin, visible_devices=self.visible, sent=True)
-
-    def cancel(self) -> None:
-        """Drop the replies, without waiting for them; a worker's next command releases
-        what it started first (as every deployment does)."""
-        for handle, command in zip(self.request.handles, self.commands, strict=False):
-            handle.owe(command["cmd"])
-        pool.pool().unreserve(self.request.handles)
-        _counts["cancelled"] += self.complete
-
-
-_ahead: list[_Ahead] = []
-_counts = {"started": 0, "claimed": 0, "cancelled": 0}
-
-
-def ahead_counts() -> dict[str, int]:
-    """Deployments started ahead in this process, and how many were claimed / cancelled."""
-    return dict(_counts)
-
-
-def start_ahead(spec: EngineSpec, handles: Sequence[WorkerHandle], test: str, *,
-                control: str | None = None, prepin: str | None = None) -> bool:
-    """Send what :func:`start` would send for this deployment, without waiting: the
-    workers start it while this process goes on.  False where nothing was started:
-    without a rendezvous port of the harness's own, deployments never start at once
-    (``worker_seams.rendezvous_port``)."""
-    port = worker_seams.rendezvous_port()
-    if port is None:
-        return False
-    spec = replace(spec, master_port=port)
-    request = _Request(spec, tuple(handles), control, prepin, seeds.active())
-    try:
-        visible = _route(spec, handles)
-        if visible is _PARENT:
-            with engine.backend_selected(spec) as selected, seeds.seeded(request.fault):
-                od = ParentDeployment.od(spec, selected)
-            commands = [ParentDeployment.command(spec, r, control, od)
-                        for r in range(len(handles))]
-        else:
-            od, commands = None, [ChildDeployment.command(spec, control, prepin, visible)]
-    except (Unsupported, WorkerError):
-        return False
-    ahead = _Ahead(test, request, visible, [], od)
-    _ahead.append(ahead)
-    for handle, command in zip(handles, commands, strict=False):  # one, in-child
-        try:
-            handle.send(command, counted=False)
-        except WorkerError:
-            _ahead.remove(ahead)
-            ahead.cancel()
-            return False
-        ahead.commands.append(command)
-    ahead.complete = True
-    _counts["started"] += 1
-    return True
-
-
-def _claim(request: _Request) -> _Ahead | None:
-    """The deployment started ahead for ``request``; any other on its workers is cancelled."""
-    for ahead in list(_ahead):
-        if ahead.request == request and ahead.complete:
-            _ahead.remove(ahead)
-            pool.pool().unreserve(request.handles)
-            _counts["claimed"] += 1
-            return ahead
-        if set(ahead.request.handles) & set(request.handles):
-            _ahead.remove(ahead)
-            ahead.cancel()
-    return None
-
-
-def cancel_ahead(test: str | None = None) -> int:
-    """Cancel the deployments started ahead for ``test`` (None: all) that it did not claim;
-    how many."""
-    cancelled = [ahead for ahead in _ahead if test is None or ahead.test == test]
-    for ahead in cancelled:
-        _ahead.remove(ahead)
-        ahead.cancel()
-    return len(cancelled)
-
-
-def started_ahead() -> int:
-    """How many deployments started ahead wait for their tests."""
-    return len(_ahead)
 
 
 def _pipe_executor_class() -> type:

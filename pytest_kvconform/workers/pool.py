@@ -185,7 +185,6 @@ class WorkerHandle:
         self.ready = False
         self.info: dict[str, Any] = {}
         self._owed: list[str] = []  # commands sent whose replies are still to be read
-        self.reserved_for: str | None = None  # the test a deployment was started ahead for
         self._exit_asked = False
         self.process = self._make_process()
         if self.method == "spawn" or forkserver.is_ready():
@@ -267,14 +266,12 @@ class WorkerHandle:
             self.ready = True
         return self.info
 
-    def send(self, message: dict[str, Any], *, counted: bool = True) -> None:
-        """Send a command; ``counted=False`` leaves it out of :func:`faulted_commands` until
-        :func:`count_faulted` (a deployment started ahead counts for the test that uses it)."""
+    def send(self, message: dict[str, Any]) -> None:
+        """Send a command (counted in :func:`faulted_commands` under its seeded fault)."""
         self.wait_ready()
         self._settle(block=True)
         message = {**message, "fault": active_fault()}
-        if counted:
-            count_faulted(message["fault"])
+        count_faulted(message["fault"])
         try:
             self.conn.send(message)
         except (BrokenPipeError, EOFError, OSError):
@@ -396,11 +393,6 @@ class WorkerHandle:
         self.send({"cmd": "release"})
         self._owed.append("release")
 
-    def owe(self, what: str) -> None:
-        """A command was sent whose reply no one will read: read (and drop) it before the
-        next command, as :meth:`release_later`'s."""
-        self._owed.append(what)
-
     @property
     def busy(self) -> bool:
         """Still closing a deployment released with :meth:`release_later`."""
@@ -494,7 +486,6 @@ class WorkerPool:
         self.replaced = 0
         self._widest: dict[str, int] = {}  # the most ranks a deployment placed there
         self._server_held = False  # this pool counts as a user of the fork server
-        self._reservations: dict[str, list[WorkerHandle]] = {}  # test -> its ranks' workers
 
     @staticmethod
     def keys(devices: Sequence[str]) -> list[tuple[str, int]]:
@@ -547,14 +538,7 @@ class WorkerPool:
             forkserver.acquire()
 
     def get(self, devices: Sequence[str]) -> list[WorkerHandle]:
-        """One ready worker per entry of ``devices`` (rank order); dead ones are replaced.
-
-        The running test's reservation (:meth:`reserve`) for exactly these placements
-        comes first: its deployment was started ahead on those workers."""
-        reserved = self._reserved(_running, devices)
-        if reserved:
-            self._start_spare(devices, [h.key for h in reserved])
-            return reserved
+        """One ready worker per entry of ``devices`` (rank order); dead ones are replaced."""
         keys = self._idle_keys(devices)
         self._prestart(keys)
         handles = [self.workers[key] for key in keys]
@@ -563,42 +547,6 @@ class WorkerPool:
         self._start_spare(devices, keys)
         for handle in handles:
             handle.wait_ready()
-        return handles
-
-    def reserve(self, devices: Sequence[str], test: str) -> list[WorkerHandle] | None:
-        """Workers for ``devices`` set aside for ``test`` (a deployment is started on them
-        ahead), or None where a set is not idle and ready now: this never waits."""
-        if not all(start_method(d) == "forkserver" for d in devices):
-            return None  # a spawned worker set is the only one of its placement
-        keys = self._idle_keys(devices)
-        if not all(key in self.workers for key in keys):
-            return None
-        handles = [self.workers[key] for key in keys]
-        if not all(h.alive and not h.busy and _ready_now(h) for h in handles):
-            return None
-        for handle in handles:
-            handle.reserved_for = test
-        self._reservations[test] = handles
-        self._start_spare(devices, keys)
-        return handles
-
-    def unreserve(self, handles: Iterable[WorkerHandle]) -> None:
-        """End a reservation (what was started on the workers is theirs to finish first)."""
-        for handle in handles:
-            if handle.reserved_for is not None:
-                self._reservations.pop(handle.reserved_for, None)
-            handle.reserved_for = None
-
-    def unreserve_test(self, test: str) -> None:
-        """End ``test``'s reservation, if it has one."""
-        self.unreserve(self._reservations.get(test, []))
-
-    def _reserved(self, test: str | None, devices: Sequence[str]) -> list[WorkerHandle]:
-        """``test``'s reserved workers, in rank order, if they serve ``devices``."""
-        handles = self._reservations.get(test or "", [])
-        if [h.placement for h in handles] != list(devices) or not all(h.alive for h in handles):
-            return []
-        self.unreserve(handles)
         return handles
 
     def _start_spare(self, devices: Sequence[str], taken: Sequence[tuple[str, int]]) -> None:
@@ -643,25 +591,19 @@ class WorkerPool:
             slots = range(SPARE_SETS * self._widest[placement]) \
                 if start_method(placement) == "forkserver" else range(slot, slot + 1)
             free = [(placement, s) for s in slots
-                    if (placement, s) not in chosen and (placement, s) not in exclude
-                    and not self._is_reserved((placement, s))]
+                    if (placement, s) not in chosen and (placement, s) not in exclude]
             idle = [k for k in free if k not in self.workers or not self.workers[k].busy]
             idle.sort(key=lambda k: (k not in self.workers, not self._is_ready(k)))
             chosen.append((idle or free)[0])
         return chosen
-
-    def _is_reserved(self, key: tuple[str, int]) -> bool:
-        handle = self.workers.get(key)
-        return handle is not None and handle.reserved_for is not None
 
     def _is_ready(self, key: tuple[str, int]) -> bool:
         handle = self.workers.get(key)
         return handle is not None and handle.ready
 
     def settle(self, timeout: float) -> None:
-        """Wait up to ``timeout`` in all for the deployments the workers still tear down (or
-        were started ahead and cancelled): what they print doing so is then in their logs
-        when the run reads them (``worker_log.py``)."""
+        """Wait up to ``timeout`` in all for the deployments the workers still tear down: what
+        they print doing so is then in their logs when the run reads them (``worker_log.py``)."""
         deadline = time.monotonic() + timeout
         for handle in list(self.workers.values()):
             handle.settle(deadline)
@@ -698,30 +640,6 @@ def hold() -> None:
 def release() -> None:
     """Drop one hold; the last one closes the shared pool (no orphan workers)."""
     _holders.release()
-
-
-# The test running now (its node id): :meth:`WorkerPool.get` hands it what was reserved for it.
-_running: str | None = None
-
-
-def running(test: str | None) -> None:
-    """Name the test that runs now (None: between tests)."""
-    global _running
-    _running = test
-
-
-def _ready_now(handle: WorkerHandle) -> bool:
-    """Started and ready, reading its start-up report if it is there: never waits."""
-    if not handle.ready and handle.started and handle.conn.poll():
-        with contextlib.suppress(WorkerError):
-            handle.wait_ready()
-    return handle.ready
-
-
-def unreserve_test(test: str) -> None:
-    """:meth:`WorkerPool.unreserve_test` of the shared pool, if there is one."""
-    if _pool is not None:
-        _pool.unreserve_test(test)
 
 
 def settle(timeout: float) -> None:

@@ -5,10 +5,7 @@ the run's temporary directory (``tempdirs.py``): a KV-A worker on its
 ``worker-<placement>-<slot>.log`` (``child.py`` points them there first thing, so vLLM's
 logging handlers, C code and the worker processes production's executor starts, which
 inherit them, all write there), the fork server on its ``server.log`` (with what a forked
-worker prints before it opens its own).  Production's code that the harness runs in the
-test process between tests (a deployment started ahead, ``session/ahead.py``: its
-``od_config`` builds vLLM configs, whose platform check may warn) runs outside pytest's
-capture: :func:`captured` puts what it prints in this process's ``test-process.log``.
+worker prints before it opens its own).
 
 A run reads them all: :func:`mark` when it starts, :func:`since` when it ends, as messages
 (``run_env.import_messages``) that each name their :data:`source <SOURCE_KEY>`.  The
@@ -22,20 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from pytest_kvconform.adapters import run_env
-from pytest_kvconform.workers import tempdirs
 
 WORKER_LOG_KEY = "worker_log"  # the report's environment key (report/schema.py)
 SOURCE_KEY = "source"  # which process printed a message (besides import_log's level, text)
-TEST_PROCESS = "test process"
 FORK_SERVER = "fork server"
-_TEST_PROCESS_FILE = "test-process.log"
 
 _sources: dict[str, str] = {}  # path -> the process writing it, in the order first watched
-_own: tuple[int, str] | None = None  # (pid, path) of this process's file for captured()
 
 
 def worker_source(label: str) -> str:
@@ -73,25 +66,3 @@ def since(start: Mapping[str, int]) -> list[dict[str, Any]]:
             continue
         messages += [{**m, SOURCE_KEY: source} for m in run_env.import_messages(text)]
     return messages
-
-
-def _own_file() -> str:
-    """This process's ``test-process.log`` (a forked child makes its own)."""
-    global _own
-    if _own is None or _own[0] != os.getpid() or not os.path.isdir(os.path.dirname(_own[1])):
-        path = os.path.join(tempdirs.make("output"), _TEST_PROCESS_FILE)
-        _own = (os.getpid(), path)
-        watch(path, TEST_PROCESS)
-    return _own[1]
-
-
-@contextlib.contextmanager
-def captured() -> Iterator[None]:
-    """This process's descriptors 1 and 2 on its ``test-process.log`` for the block: for
-    production's code the harness runs between tests, where pytest captures nothing."""
-    fd = os.open(_own_file(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        with run_env.redirected(fd):
-            yield
-    finally:
-        os.close(fd)
