@@ -288,10 +288,11 @@ def _worker_pool(plan: Sequence[_Run], device: str, gpu_ids: list[str]) -> Itera
         yield None
         return
     from pytest_kvconform.workers import pool as workers
+    from pytest_kvconform.workers.kv_workers import KvWorkers
 
     workers.hold()
     try:
-        kv_workers = workers.KvWorkers(device, gpu_ids)
+        kv_workers = KvWorkers(device, gpu_ids)
         kv_workers.prestart(max(sizes))  # their vLLM imports overlap the other clauses
         yield kv_workers
     finally:
@@ -309,11 +310,11 @@ def _arguments(run: _Run, device: str, kv_workers: Any, memory_fraction: float) 
 
 def _execute(run: _Run, device: str, kv_workers: Any, memory_fraction: float) -> CheckResult:
     """One run as a result; a run whose KV-A workers got a seeded fault says so."""
-    from pytest_kvconform.workers import pool as workers
+    from pytest_kvconform.workers import fault_tally
 
-    before = workers.faulted_commands()
+    before = fault_tally.faulted_commands()
     result = _execute_check(run, device, kv_workers, memory_fraction)
-    faults = workers.faults_since(before)
+    faults = fault_tally.faults_since(before)
     if not faults:
         return result
     note = (f"(ran under the seeded worker fault {faults[-1]!r}, ${protocol.FAULT_ENV}: this "

@@ -123,13 +123,14 @@ def _speculate_workers(config: pytest.Config, options: Options, session: KvSessi
         return
     from pytest_kvconform.session.xdist import is_controller
     from pytest_kvconform.workers import pool as workers
+    from pytest_kvconform.workers.kv_workers import KvWorkers
 
     if is_controller(config):
         if session.device == "cpu":  # so are its workers' KV-A workers: one server for all
             workers.pool().warm(["cpu"])  # shared through workerinput (xdist_hooks.py)
         return
     # One worker: the selection may need no more (a second is started after collection).
-    workers.KvWorkers(session.device, list(session.gpu_ids)).speculate(1)
+    KvWorkers(session.device, list(session.gpu_ids)).speculate(1)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -178,7 +179,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     plugin = session.config.pluginmanager.get_plugin(SESSION_PLUGIN)
     if plugin is None:
         return
-    from pytest_kvconform.workers.pool import KvWorkers
+    from pytest_kvconform.workers.kv_workers import KvWorkers
 
     params = [getattr(getattr(item, "callspec", None), "params", {}) for item in session.items
               if _uses_workers(item)]
@@ -253,7 +254,7 @@ def kv_control_plane(request: pytest.FixtureRequest, kv_device: str) -> Any:
 @pytest.fixture(scope="session")
 def kv_workers(request: pytest.FixtureRequest, kv_device: str) -> Any:
     """Factory of pooled worker processes (see ``workers.KvWorkers``)."""
-    from pytest_kvconform.workers.pool import KvWorkers
+    from pytest_kvconform.workers.kv_workers import KvWorkers
 
     return KvWorkers(kv_device, list(kv_session(request.config).gpu_ids))
 

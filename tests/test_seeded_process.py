@@ -30,7 +30,7 @@ from pytest_kvconform.checks.layout import check_kv_l1
 from pytest_kvconform.contract import cases, memory
 from pytest_kvconform.contract.outcomes import ErrorKind, HarnessError
 from pytest_kvconform.contract.records import BackendUnderTest
-from pytest_kvconform.workers import budget, child, protocol
+from pytest_kvconform.workers import budget, child, policy, protocol
 from pytest_kvconform.workers import pool as workers
 from tests import faultkit
 from tests.conftest import needs_omni
@@ -396,7 +396,7 @@ def test_worker_fault_run_exits_1_with_a_valid_report_and_no_process_left(
     # (its next test passes: test_worker_fault_is_an_error_and_the_run_goes_on).  Beside
     # them, the forked CPU workers a deployment takes while others close theirs: at most
     # SPARE_SETS per rank of the widest deployment (world size 2).
-    assert 3 <= len(outcome.workers) <= 2 + workers.SPARE_SETS * 2, outcome.workers
+    assert 3 <= len(outcome.workers) <= 2 + policy.SPARE_SETS * 2, outcome.workers
     _no_process_left(outcome)
 
 
@@ -461,7 +461,7 @@ def test_killed_run_leaves_no_process(tmp_path: Path, xdist: bool, sig: int) -> 
     # one KV-A worker per pytest process (per xdist worker), or another beside it that the
     # next test took while the first closed its deployment (SPARE_SETS; world size 1 here)
     processes = 2 if xdist else 1
-    assert processes <= len(outcome.workers) <= processes * workers.SPARE_SETS, \
+    assert processes <= len(outcome.workers) <= processes * policy.SPARE_SETS, \
         outcome.output[-3000:]
     assert outcome.watched > outcome.workers  # the xdist workers, resource trackers, ...
     _no_process_left(outcome)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import types
+from collections.abc import Iterator
 
 import pytest
 
@@ -53,20 +55,25 @@ class _Handle:
         self.closed = True
 
 
-def test_drop_speculative_closes_only_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    pool = types.SimpleNamespace(workers={("cpu", 0): _Handle(), ("cpu", 1): _Handle()})
-    monkeypatch.setattr(workers, "_pool", pool)
-    monkeypatch.setattr(workers, "_speculative", {("cpu", 1)})
-    other, mine = pool.workers[("cpu", 0)], pool.workers[("cpu", 1)]
-    assert workers.drop_speculative() == 1
-    assert mine.closed and not other.closed
-    assert list(pool.workers) == [("cpu", 0)]
-    assert workers.drop_speculative() == 0  # forgotten once decided
+@pytest.fixture
+def own() -> Iterator[workers.WorkerPool]:
+    pool = workers.WorkerPool()
+    yield pool
+    shutil.rmtree(pool.workdir, ignore_errors=True)
 
 
-def test_drop_speculative_keeps_needed_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    pool = types.SimpleNamespace(workers={("cpu", 0): _Handle()})
-    monkeypatch.setattr(workers, "_pool", pool)
-    monkeypatch.setattr(workers, "_speculative", {("cpu", 0)})
-    assert workers.drop_speculative(keep=[("cpu", 0)]) == 0
-    assert not pool.workers[("cpu", 0)].closed
+def test_drop_speculative_closes_only_its_own(own: workers.WorkerPool) -> None:
+    own.workers = {("cpu", 0): _Handle(), ("cpu", 1): _Handle()}  # type: ignore[dict-item]
+    own.speculative = {("cpu", 1)}
+    other, mine = own.workers[("cpu", 0)], own.workers[("cpu", 1)]
+    assert own.drop_speculative() == 1
+    assert mine.closed and not other.closed  # type: ignore[attr-defined]
+    assert list(own.workers) == [("cpu", 0)]
+    assert own.drop_speculative() == 0  # forgotten once decided
+
+
+def test_drop_speculative_keeps_needed_workers(own: workers.WorkerPool) -> None:
+    own.workers = {("cpu", 0): _Handle()}  # type: ignore[dict-item]
+    own.speculative = {("cpu", 0)}
+    assert own.drop_speculative(keep=[("cpu", 0)]) == 0
+    assert not own.workers[("cpu", 0)].closed  # type: ignore[attr-defined]

@@ -851,21 +851,22 @@ def test_kvconform_run_keeps_the_report_where_asked_or_says_none(
 # The worker for the test cannot even start: raised in the test body, before run_check.
 WORKER_NO_START = '''
 
-import pytest_kvconform.workers.pool as _workers
+import pytest_kvconform.workers.kv_workers as _kv_workers
+import pytest_kvconform.workers.protocol as _protocol
 
-_FOR_WORLD_SIZE = _workers.KvWorkers.for_world_size
+_FOR_WORLD_SIZE = _kv_workers.KvWorkers.for_world_size
 
 
 def _no_start(self, n):
-    raise _workers.WorkerTimeout("seeded: worker cpu#0 did not answer 'start-up' within 1s")
+    raise _protocol.WorkerTimeout("seeded: worker cpu#0 did not answer 'start-up' within 1s")
 
 
 def pytest_configure(config):
-    _workers.KvWorkers.for_world_size = _no_start
+    _kv_workers.KvWorkers.for_world_size = _no_start
 
 
 def pytest_unconfigure(config):
-    _workers.KvWorkers.for_world_size = _FOR_WORLD_SIZE
+    _kv_workers.KvWorkers.for_world_size = _FOR_WORLD_SIZE
 '''
 
 

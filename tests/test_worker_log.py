@@ -6,9 +6,6 @@ are in tests/test_worker_output.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,36 +77,3 @@ def test_the_end_of_a_run_waits_for_the_workers_last_teardowns(own: workers.Work
     handle.release_later()
     own.settle(30)
     assert not handle.busy and handle.alive
-
-
-CAPTURED = r'''
-import logging, os, sys
-from pytest_kvconform.workers import worker_log
-
-start = worker_log.mark()
-handler = logging.StreamHandler(sys.stdout)  # as vLLM's, made at its import
-log = logging.getLogger("kvconform_test")
-log.addHandler(handler)
-print("before", flush=True)
-with worker_log.captured():
-    print("python-level print")              # buffered: flushed into the capture
-    os.write(2, b"C-level write\n")
-    log.warning("WARNING logged inside")
-log.warning("logged after")
-# A buffered print reaches the capture when flushed, so the order is not the test's claim.
-print("found", sorted((m["source"], m["text"]) for m in worker_log.since(start)), flush=True)
-'''
-
-
-def test_what_the_test_process_prints_between_tests_goes_to_the_capture() -> None:
-    """At the descriptor level, as vLLM's handlers and C code write: in a process of its
-    own, whose descriptors 1 and 2 are the terminal's as in a real run."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, "-c", CAPTURED], env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    found = [("test process", "C-level write"), ("test process", "WARNING logged inside"),
-             ("test process", "python-level print")]
-    assert done.stdout.splitlines() == ["before", "logged after", f"found {found}"]
-    assert done.stderr == ""

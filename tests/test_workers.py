@@ -18,7 +18,8 @@ import pytest
 
 from pytest_kvconform.adapters import seeds
 from pytest_kvconform.adapters.worker_extension import page_pattern
-from pytest_kvconform.workers import forkserver, protocol
+from pytest_kvconform.workers import fault_tally, forkserver, policy, protocol
+from pytest_kvconform.workers import handle as handle_mod
 from pytest_kvconform.workers import pool as workers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,14 +101,14 @@ def test_a_worker_still_closing_its_deployment_is_not_handed_out(
         own: workers.WorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
     """While a forked worker tears a deployment down, the next deployment gets others."""
     first = own.get(["cpu"])[0]
-    monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: h is first))
+    monkeypatch.setattr(handle_mod.WorkerHandle, "busy", property(lambda h: h is first))
     other = own.get(["cpu"])[0]
     assert other is not first and other.alive
     pair = own.get(["cpu", "cpu"])
     assert first not in pair and len({h.pid for h in pair}) == 2
-    monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: True))
+    monkeypatch.setattr(handle_mod.WorkerHandle, "busy", property(lambda h: True))
     every = own.get(["cpu", "cpu"])  # all busy: at most SPARE_SETS per rank, wait on one
-    assert len(own.workers) <= workers.SPARE_SETS * 2 and len(set(every)) == 2
+    assert len(own.workers) <= policy.SPARE_SETS * 2 and len(set(every)) == 2
 
 
 def test_a_spare_set_starts_while_a_deployment_runs(
@@ -118,13 +119,13 @@ def test_a_spare_set_starts_while_a_deployment_runs(
     assert len(spare) == 2 and all(h.started and h.alive for h in spare)
     assert own.get(["cpu", "cpu"]) == first  # idle and started: no third set
     assert len(own.workers) == 4
-    monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: h in first))
+    monkeypatch.setattr(handle_mod.WorkerHandle, "busy", property(lambda h: h in first))
     second = own.get(["cpu", "cpu"])
     assert set(second) == set(spare) and len(own.workers) == 6  # all others busy
-    monkeypatch.setattr(workers.WorkerHandle, "busy", property(lambda h: True))
+    monkeypatch.setattr(handle_mod.WorkerHandle, "busy", property(lambda h: True))
     for _ in range(3):
         own.get(["cpu", "cpu"])
-    assert len(own.workers) == workers.SPARE_SETS * 2
+    assert len(own.workers) == policy.SPARE_SETS * 2
 
 
 def test_workers_made_before_the_fork_server_was_ready_fork_between_tests(
@@ -193,30 +194,30 @@ def test_an_rpc_drains_every_reply_before_raising(monkeypatch: pytest.MonkeyPatc
 def test_active_fault_is_validated_and_names_the_variable(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(protocol.FAULT_ENV, raising=False)
-    assert workers.active_fault() is None
+    assert fault_tally.active_fault() is None
     monkeypatch.setenv(protocol.FAULT_ENV, "")
-    assert workers.active_fault() is None
+    assert fault_tally.active_fault() is None
     for fault in protocol.FAULTS:
         monkeypatch.setenv(protocol.FAULT_ENV, fault)
-        assert workers.active_fault() == fault
+        assert fault_tally.active_fault() == fault
     monkeypatch.setenv(protocol.FAULT_ENV, "wrong_ofset")
     with pytest.raises(ValueError, match=r"\$KVCONFORM_WORKER_FAULT='wrong_ofset'.*wrong_offset"):
-        workers.active_fault()
+        fault_tally.active_fault()
 
 
 def test_rank_placements_give_each_cuda_rank_its_own_gpu_id() -> None:
     ids = ["0", "1", "2", "3"]
-    assert workers.rank_placements(2, "cpu", ids, {}) == ["cpu", "cpu"]
+    assert policy.rank_placements(2, "cpu", ids, {}) == ["cpu", "cpu"]
     # no xdist: every GPU visible here, this process on cuda:2
-    assert workers.rank_placements(2, "cuda:2", ids, {}) == ["gpu:2", "gpu:0"]
+    assert policy.rank_placements(2, "cuda:2", ids, {}) == ["gpu:2", "gpu:0"]
     # an xdist worker narrowed to GPU 1 (a world-size-2 case must not ask for cuda:1)
     narrowed = {"CUDA_VISIBLE_DEVICES": "1"}
-    assert workers.rank_placements(2, "cuda:0", ids, narrowed) == ["gpu:1", "gpu:0"]
-    assert workers.rank_placements(1, "cuda:0", ids, narrowed) == ["gpu:1"]
+    assert policy.rank_placements(2, "cuda:0", ids, narrowed) == ["gpu:1", "gpu:0"]
+    assert policy.rank_placements(1, "cuda:0", ids, narrowed) == ["gpu:1"]
     outer = {"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}
-    assert workers.rank_placements(2, "cuda:0", ["GPU-a", "GPU-b"], outer) == [
+    assert policy.rank_placements(2, "cuda:0", ["GPU-a", "GPU-b"], outer) == [
         "gpu:GPU-a", "gpu:GPU-b"]
-    assert "needs 3 CUDA devices" in str(workers.rank_placements(3, "cuda:0", ids[:2], {}))
+    assert "needs 3 CUDA devices" in str(policy.rank_placements(3, "cuda:0", ids[:2], {}))
     assert protocol.child_device("gpu:3") == ("cuda:0", "3")
     assert protocol.child_device("cpu") == ("cpu", None)
 
@@ -303,10 +304,10 @@ def test_the_fork_server_stops_with_its_last_pool(tmp_path: Path) -> None:
 
 
 def test_server_preload_is_imports_only() -> None:
-    assert protocol.LOAD_PLUGINS not in workers.server_preload(protocol.PRELOAD)
-    assert workers.server_preload(("a", protocol.LOAD_PLUGINS, "b")) == ("a", "b")
-    assert workers.start_method("cpu") == "forkserver"
-    assert workers.start_method("gpu:0") == workers.start_method("cuda:1") == "spawn"
+    assert protocol.LOAD_PLUGINS not in handle_mod.server_preload(protocol.PRELOAD)
+    assert handle_mod.server_preload(("a", protocol.LOAD_PLUGINS, "b")) == ("a", "b")
+    assert handle_mod.start_method("cpu") == "forkserver"
+    assert handle_mod.start_method("gpu:0") == handle_mod.start_method("cuda:1") == "spawn"
 
 
 UNGUARDED = """
@@ -354,7 +355,7 @@ def test_a_worker_that_dies_before_its_own_code_runs_says_why(
     log, a spawned one's on this process's stderr (the message says where)."""
     own = workers.WorkerPool(preload=())
     try:
-        monkeypatch.setattr(workers, "child_device", lambda p: (_FailsToUnpickle(), None))
+        monkeypatch.setattr(handle_mod, "child_device", lambda p: (_FailsToUnpickle(), None))
         own.prestart([placement])
         monkeypatch.undo()
         with pytest.raises(protocol.WorkerDied) as info:

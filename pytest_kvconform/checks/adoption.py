@@ -44,7 +44,7 @@ from pytest_kvconform.contract import oracle
 from pytest_kvconform.contract.records import BackendUnderTest, Case
 from pytest_kvconform.workers import deployment
 from pytest_kvconform.workers.devices import Unplaceable
-from pytest_kvconform.workers.pool import WorkerHandle
+from pytest_kvconform.workers.handle import WorkerHandle
 from pytest_kvconform.workers.protocol import WorkerCommandError
 
 Source = BackendUnderTest | bool  # a backend (its declared need) or an explicit need

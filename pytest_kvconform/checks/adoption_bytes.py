@@ -33,7 +33,7 @@ from pytest_kvconform.checks.errors import HarnessError, SkipKind
 from pytest_kvconform.contract import oracle
 from pytest_kvconform.contract.records import Case
 from pytest_kvconform.workers import deployment
-from pytest_kvconform.workers.pool import WorkerHandle
+from pytest_kvconform.workers.handle import WorkerHandle
 from pytest_kvconform.workers.protocol import WorkerError
 
 SAMPLED_PAGES = 4

@@ -52,15 +52,15 @@ def _prepared(faults: Sequence[Fault]) -> Iterator[_Stack]:
     is forked; what that prints is captured); the KV-A workers' fork server started if a
     fault's checks need workers."""
     from pytest_kvconform.adapters import discovery, omni_plugins
-    from pytest_kvconform.workers import pool, protocol
+    from pytest_kvconform.workers import handle, protocol
 
     started_server = _needs_workers(faults) and forkserver.start(
-        pool.server_preload(protocol.PRELOAD))  # its imports overlap ours
+        handle.server_preload(protocol.PRELOAD))  # its imports overlap ours
     if started_server:
         forkserver.acquire()
     try:
         with run_env.captured_output() as messages:
-            for name in pool.server_preload(protocol.PRELOAD):
+            for name in handle.server_preload(protocol.PRELOAD):
                 with contextlib.suppress(ImportError):
                     importlib.import_module(name)
             omni_plugins.load_plugins("production")

@@ -79,7 +79,7 @@ class KvResults:
         # interrupt is judged in pytest_keyboard_interrupt.
         self.session_started = False
         self.concluded = False
-        self._faults_before: dict[str, int] | None = None  # workers.faulted_commands()
+        self._faults_before: dict[str, int] | None = None  # fault_tally.faulted_commands()
         # xdist controller: each suite test's properties, from the first report of it
         # (a crashed worker's test gets no report of its own with them).
         self._properties: dict[str, list[tuple[str, Any]]] = {}
@@ -96,9 +96,9 @@ class KvResults:
         self.session_started = True
 
     def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
-        from pytest_kvconform.workers import pool as workers
+        from pytest_kvconform.workers import fault_tally
 
-        self._faults_before = workers.faulted_commands()
+        self._faults_before = fault_tally.faulted_commands()
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: after skipping.py's xfail
     def pytest_runtest_makereport(self, item: pytest.Item,
@@ -190,11 +190,11 @@ class KvResults:
     def _mark_seeded_fault(self, item: pytest.Item, report: pytest.TestReport) -> None:
         """Commands went to the KV-A workers under a seeded fault during this test: its
         reports (this one, and through the item the ones after it) name the fault."""
-        from pytest_kvconform.workers import pool as workers
+        from pytest_kvconform.workers import fault_tally
 
         if self._faults_before is None:
             return
-        faults = workers.faults_since(self._faults_before)
+        faults = fault_tally.faults_since(self._faults_before)
         if not faults or any(k == SEEDED_FAULT_PROPERTY for k, _ in item.user_properties):
             return
         item.user_properties.append((SEEDED_FAULT_PROPERTY, faults[-1]))
@@ -429,10 +429,10 @@ class KvResults:
 
 def _seeded_faults(results: Sequence[dict[str, Any]]) -> list[str]:
     """The seeded worker faults of this run: set for the whole run, or by a test."""
-    from pytest_kvconform.workers import pool as workers
+    from pytest_kvconform.workers import fault_tally
 
     try:
-        faults = {workers.active_fault()}
+        faults = {fault_tally.active_fault()}
     except ValueError:  # refused at start-up already
         faults = set()
     faults |= {r["seeded_fault"] for r in results}

@@ -124,10 +124,10 @@ class KvSession:
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         """Refuse a strict run under a seeded fault, then discover (before collection)."""
-        from pytest_kvconform.workers import pool as workers
+        from pytest_kvconform.workers import fault_tally
 
         try:
-            self.fault = workers.active_fault()
+            self.fault = fault_tally.active_fault()
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
         try:

@@ -27,7 +27,7 @@ from typing import Any
 from pytest_kvconform.adapters import engine, executor_wire, seeds, worker_seams
 from pytest_kvconform.adapters.engine import EngineReport, EngineSpec
 from pytest_kvconform.contract.outcomes import Unsupported
-from pytest_kvconform.workers.pool import WorkerHandle
+from pytest_kvconform.workers.handle import WorkerHandle
 from pytest_kvconform.workers.protocol import WorkerError
 
 
