@@ -9,6 +9,7 @@ The layers are the package's subpackages.  They are read from the modules' own
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,32 @@ def test_type_checking_imports_count() -> None:
 def test_undeclared_module_is_refused() -> None:
     with pytest.raises(KeyError, match="newthing"):
         layer_of("newthing")
+
+
+# ------------------------------------------------------------------ no module-level current test
+
+# A name rebound through ``global`` that says it tracks which test runs (or is planned, or
+# was started on speculation): such state belongs to an object handed to its user.
+_CURRENT_TEST_RE = re.compile(r"running|current|planning|speculative|reserv", re.I)
+
+
+def current_test_globals(sources: dict[str, str]) -> list[str]:
+    """``module: name`` for each module-level name a function rebinds with ``global`` whose
+    name says it tracks the running test."""
+    found = []
+    for module, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Global):
+                found += [f"{module}: {name}" for name in node.names
+                          if _CURRENT_TEST_RE.search(name)]
+    return sorted(set(found))
+
+
+def test_no_module_keeps_a_mutable_current_test() -> None:
+    assert current_test_globals(package_modules()) == []
+
+
+def test_seeded_current_test_global_is_reported() -> None:
+    seeded = "_running = None\n\ndef running(test):\n    global _running\n    _running = test\n"
+    assert current_test_globals({"pytest_kvconform.workers.pool": seeded}) == [
+        "pytest_kvconform.workers.pool: _running"]
