@@ -45,6 +45,16 @@ def test_every_contract_clause_appears_once_in_contract_order() -> None:
     assert ids == list(clauses.contract_clauses())
 
 
+def test_the_contract_version_is_the_one_contract_md_states() -> None:
+    from pytest_kvconform import CONTRACT_VERSION
+    from pytest_kvconform.contract import stated_version
+
+    assert CONTRACT_VERSION == stated_version(clauses.CONTRACT.read_text(encoding="utf-8"))
+    assert stated_version("# x\n\nContract version: **7** (more)\n") == "7"
+    with pytest.raises(ValueError, match="states no 'Contract version"):
+        stated_version("- KV-L1 Declaration. x\n")
+
+
 def test_contract_parse_refuses_a_clause_stated_twice() -> None:
     text = "- KV-L1 Declaration. x\n- KV-L2 Resolution. y\n- KV-L1 Again. z\n"
     with pytest.raises(ValueError, match="KV-L1 twice"):
