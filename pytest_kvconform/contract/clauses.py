@@ -18,7 +18,8 @@ function in its family's ``checks/`` module, and its seeded fault (one
 row: the family's suite module (:data:`FAMILY_MODULES`) generates its pytest tests,
 :func:`pytest_kvconform.check_backend` plans it, ``checks/arguments.py`` expands its
 axes for both, the report gets its column, ``kvconform selftest`` seeds its fault, and
-``docs/clauses.md``'s table is regenerated from :func:`markdown_table`.
+``docs/clauses.md``'s table is regenerated from :func:`markdown_table`
+(:func:`write_markdown_table`).
 """
 
 from __future__ import annotations
@@ -457,3 +458,19 @@ def markdown_table() -> str:
         lines.append(f"| {row['clause']} | {row['title']} | {row['applies_to']} | "
                      f"{', '.join(row['forgiven'])} | {tests} | {controls} |")
     return "\n".join([*lines, "", CLAUSE_LIST_END])
+
+
+def with_markdown_table(text: str) -> str:
+    """``text`` (a page holding the generated table between its markers) with the table
+    regenerated from the rows."""
+    start, end = text.find(CLAUSE_LIST_BEGIN), text.find(CLAUSE_LIST_END)
+    if start < 0 or end < start:
+        raise ValueError(f"no clause table between {CLAUSE_LIST_BEGIN!r} and "
+                         f"{CLAUSE_LIST_END!r}")
+    return text[:start] + markdown_table() + text[end + len(CLAUSE_LIST_END):]
+
+
+def write_markdown_table(path: str | Path = "docs/clauses.md") -> None:
+    """Regenerate the clause table in the page at ``path`` (docs/clauses.md), in place."""
+    page = Path(path)
+    page.write_text(with_markdown_table(page.read_text(encoding="utf-8")), encoding="utf-8")
