@@ -24,6 +24,7 @@ with ``seams=True``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -31,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pytest_kvconform.adapters import run_env
-from pytest_kvconform.checks.arguments import Sources, arguments
+from pytest_kvconform.checks.arguments import Sources, arguments, expand
 from pytest_kvconform.checks.common import via_recorded
 from pytest_kvconform.contract import clauses as clauses_mod
 from pytest_kvconform.contract.outcome_rule import harness_kind
@@ -50,6 +51,7 @@ from pytest_kvconform.workers import budget, protocol
 Status = Literal["passed", "failed", "skipped", "error"]
 STATUSES: tuple[Status, ...] = ("passed", "failed", "skipped", "error")
 API_SOURCE = "api"
+WHO_AXES = ("backend", "need")  # the axes that say whom a run speaks for
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ class _Run:
     who: BackendUnderTest | bool | None
     layout: str | None
     case: Case | None
+    # The parameters' ids, in test-id order (``checks/arguments.expand``), as the suite's.
+    ids: tuple[str, ...] = ()
     # Set when the selected cases leave this clause nothing to run on: reported, not dropped.
     no_case: str | None = None
 
@@ -107,10 +111,8 @@ class _Run:
 
     @property
     def test_id(self) -> str:
-        ids = [p for p in (self.backend_label, self.layout,
-                           self.case.id if self.case is not None else None) if p is not None]
         name = self.clause.test_name(self.check)
-        return f"{name}[{'-'.join(ids)}]" if ids else name
+        return f"{name}[{'-'.join(self.ids)}]" if self.ids else name
 
 
 def check_backend(
@@ -251,32 +253,28 @@ def _device(device: str) -> tuple[str, list[str]]:
 
 def _plan(selected: Sequence[clauses_mod.Clause], backend: BackendUnderTest,
           cases: Sequence[Case], *, seams: bool) -> Iterator[_Run]:
-    """Every (check, parameters) the suite would collect for this one backend."""
-    from pytest_kvconform.adapters import compat
-
+    """Every (check, parameters) the suite would collect for this one backend: the same
+    axes, expanded by the same function (``checks/arguments.expand``), in the same order."""
     for clause in selected:
-        clause_cases = [c for c in cases if clause.cases is None or clause.cases(c)]
         for check in clause.checks:
             if check.seam and not seams:
                 continue
-            axes = check.axes
-            whos: list[BackendUnderTest | bool | None] = [None]
-            if "backend" in axes:
-                whos = [backend]
-            elif "need" in axes:
-                whos = [False, True]
-            layouts: list[str | None] = (list(compat.LAYOUT_NAMES) if "layout" in axes
-                                         else [None])
-            run_cases: list[Case | None] = list(clause_cases) if "case" in axes else [None]
-            if not run_cases:
+            axes = expand(check.axes, backends=[backend], cases=cases, predicate=clause.cases)
+            if any(a.name == "case" and not a.values for a in axes):
                 reason = (f"{clause.id}: none of the selected cases "
                           f"({', '.join(c.id for c in cases) or 'none'}) is one it runs on")
-                yield from (_Run(clause, check, who, None, None, reason) for who in whos)
+                whos: list[tuple[Any, tuple[str, ...]]] = [
+                    (value, (ident,)) for a in axes if a.name in WHO_AXES
+                    for value, ident in zip(a.values, a.ids, strict=True)]
+                for who, ids in whos or [(None, ())]:
+                    yield _Run(clause, check, who, None, None, ids, reason)
                 continue
-            for who in whos:
-                for layout in layouts:
-                    for case in run_cases:
-                        yield _Run(clause, check, who, layout, case)
+            pairs = [list(zip(a.values, a.ids, strict=True)) for a in axes]
+            for combination in itertools.product(*pairs):
+                params = {a.name: value for a, (value, _) in zip(axes, combination, strict=True)}
+                who = params["backend"] if "backend" in params else params.get("need")
+                yield _Run(clause, check, who, params.get("layout"), params.get("case"),
+                           tuple(ident for _, ident in combination))
 
 
 @contextlib.contextmanager

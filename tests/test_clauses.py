@@ -22,7 +22,8 @@ from pytest_kvconform.report import build as report
 from pytest_kvconform.suite.check_call import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]
-SUITE_MODULES = ("test_layout", "test_strides", "test_nullblock", "test_adoption")
+# The suite's modules: one per family, and the one for a family without its own.
+SUITE_MODULES = (*dict.fromkeys(clauses.FAMILY_MODULES.values()), "test_table")
 
 
 @functools.cache
@@ -42,6 +43,16 @@ def test_every_contract_clause_appears_once_in_contract_order() -> None:
     ids = [c.id for c in clauses.CLAUSES]
     assert len(ids) == len(set(ids)), f"a clause is in the table twice: {ids}"
     assert ids == list(clauses.contract_clauses())
+
+
+def test_the_contract_version_is_the_one_contract_md_states() -> None:
+    from pytest_kvconform import CONTRACT_VERSION
+    from pytest_kvconform.contract import stated_version
+
+    assert CONTRACT_VERSION == stated_version(clauses.CONTRACT.read_text(encoding="utf-8"))
+    assert stated_version("# x\n\nContract version: **7** (more)\n") == "7"
+    with pytest.raises(ValueError, match="states no 'Contract version"):
+        stated_version("- KV-L1 Declaration. x\n")
 
 
 def test_contract_parse_refuses_a_clause_stated_twice() -> None:
@@ -156,11 +167,19 @@ def test_one_argument_mapping_knows_every_parameter_the_table_names() -> None:
 
 @pytest.mark.parametrize("name", sorted(clauses.check_names()))
 def test_suite_test_matches_its_row(name: str) -> None:
-    """Same check function, same parameters, same case predicate as the table says."""
+    """Same check function, same parameters, same case predicate as the table says, in its
+    family's module: a generated test runs the row's check; a hand-written one calls it."""
+    from pytest_kvconform.suite.generate import CHECK_ATTR
+
     row, check = clauses.check_names()[name]
     fn = suite_tests()[name]
-    function = check.resolve()
-    assert function.__name__ in _code_names(fn), f"{name} does not call {check.function}"
+    assert fn.__module__ == f"pytest_kvconform.suite.{row.suite_module}", fn.__module__
+    generated = getattr(fn, CHECK_ATTR, None)
+    if generated is not None:
+        assert generated is check, f"{name} runs another check than its row's"
+    else:
+        assert check.resolve().__name__ in _code_names(fn), \
+            f"{name} does not call {check.function}"
     params = set(inspect.signature(fn).parameters) - {"request"}
     assert params == {FIXTURE[a] for a in check.args} - {"request"}
     marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "kv_cases"]
@@ -168,6 +187,26 @@ def test_suite_test_matches_its_row(name: str) -> None:
         assert marks == [] and "case" not in check.args
     else:
         assert [m.args[0] for m in marks] == [row.cases], f"{name}: another case predicate"
+
+
+def test_only_kv_l7_is_written_by_hand() -> None:
+    """Every suite test is generated from the table but ``test_kv_l7``, which also records
+    what KV-L7 covered (``suite/test_layout.py``)."""
+    from pytest_kvconform.suite.generate import CHECK_ATTR
+
+    by_hand = sorted(n for n, fn in suite_tests().items() if not hasattr(fn, CHECK_ATTR))
+    assert by_hand == ["test_kv_l7"]
+
+
+def test_suite_modules_hold_their_tests_in_table_order() -> None:
+    """The collection order (and so the golden ids' order) is the table's, per module."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+        for module in SUITE_MODULES:
+            found = [n for n in vars(importlib.import_module(f"pytest_kvconform.suite.{module}"))
+                     if n.startswith("test_")]
+            assert found == [n for n, (row, _) in clauses.check_names().items()
+                             if row.suite_module == module], module
 
 
 @pytest.mark.parametrize("name", sorted(clauses.check_names()))

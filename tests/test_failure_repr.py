@@ -17,7 +17,7 @@ def test_a_clause_failure_reads_as_its_verdict_unless_a_traceback_is_asked_for(
                     "-rf", *(["--tb", tb] if tb else []))
     result.assert_outcomes(passed=7, failed=1)
     verdict = "KV-N6 violated ?case=padded?: padded pages are not planned"
-    summary = "FAILED kvconform/test_table.py::test_kv_n6?padded? - *"
+    summary = "FAILED kvconform/test_nullblock.py::test_kv_n6?padded? - *"
     if tb is None:
         result.stdout.fnmatch_lines([
             "_*_ test_kv_n6?padded? _*_", verdict, "  expected: 15", "  actual:   16",

@@ -9,7 +9,7 @@ from pytest_kvconform.contract import clauses
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "clauses.md"
 REGENERATE = ('python -c "from pytest_kvconform.contract import clauses; '
-              'print(clauses.markdown_table())"')
+              'clauses.write_markdown_table()"')
 
 
 def clause_block(text: str) -> str | None:
@@ -39,7 +39,11 @@ def test_the_clause_table_is_written_once() -> None:
     assert not copies, f"a copy of the clause table in {copies}"
 
 
-def test_a_stale_table_is_detected() -> None:
+def test_a_stale_table_is_detected_and_regenerated(tmp_path: Path) -> None:
     stale = clauses.markdown_table().replace("| KV-L2 | Resolution |", "| KV-L2 | Resolving |")
     assert clause_block(stale) != clauses.markdown_table()
     assert clause_block("no markers") is None
+    page = tmp_path / "clauses.md"
+    page.write_text(f"# head\n\n{stale}\n\ntail\n")
+    clauses.write_markdown_table(page)
+    assert page.read_text() == f"# head\n\n{clauses.markdown_table()}\n\ntail\n"

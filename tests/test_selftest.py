@@ -96,6 +96,10 @@ def test_every_planted_fault_is_registered() -> None:
     used = {name for name in planted
             if any(f.patches is getattr(plants, name) for f in REGISTRY.values())}
     assert used == planted
+    # Declared once, in plants.py, and registered as declared.
+    assert [n for n in REGISTRY if REGISTRY[n].patches] == list(plants.PLANTED)
+    with pytest.raises(ValueError, match="planted fault 'wrong_pin' is declared twice"):
+        plants.declare("wrong_pin", ("KV-L2",), "again")
 
 
 def test_each_fault_has_one_seed_real_clauses_and_a_known_backend() -> None:

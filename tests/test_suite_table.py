@@ -1,4 +1,8 @@
-"""A new clause is two edits: a check function and a table row; the suite then runs it."""
+"""A table row is a suite test: each family's module generates its rows' tests, in order.
+
+(A new clause's whole path, its contract text and seeded fault included, is
+``tests/test_new_clause.py``'s.)
+"""
 
 from __future__ import annotations
 
@@ -39,43 +43,53 @@ NEW_ROWS = (
 )
 
 
-def test_every_row_of_the_real_table_has_a_hand_written_test() -> None:
+def test_every_family_has_a_suite_module_so_the_fallback_generates_nothing() -> None:
     from pytest_kvconform.suite import test_table
 
     assert test_table.GENERATED == []
+    assert {c.suite_module for c in clauses.CLAUSES} == set(clauses.FAMILY_MODULES.values())
 
 
 def test_a_row_becomes_a_test_with_its_fixtures_and_cases(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
-    from pytest_kvconform.suite import test_table
+    from pytest_kvconform.suite import generate
 
     monkeypatch.setattr(clauses, "CLAUSES", (*clauses.CLAUSES, *NEW_ROWS))
-    namespace: dict[str, object] = {}
-    assert test_table.generate(namespace) == ["test_kv_l9", "test_kv_n6"]
-    n6 = namespace["test_kv_n6"]
+    layout: dict[str, object] = {"__name__": "pytest_kvconform.suite.test_layout",
+                                 "test_kv_l7": check_kv_l9}
+    added = generate.generate(layout)
+    assert added[-1] == "test_kv_l9" and "test_kv_l7" not in added
+    assert [n for n in layout if n.startswith("test_")] == [
+        n for n, (row, _) in clauses.check_names().items() if row.family == "L"]
+    assert layout["test_kv_l7"] is check_kv_l9  # a hand-written test is kept, in its place
+    nullblock: dict[str, object] = {"__name__": "pytest_kvconform.suite.test_nullblock"}
+    assert generate.generate(nullblock)[-1] == "test_kv_n6"
+    n6 = nullblock["test_kv_n6"]
     assert [m.args[0] for m in n6.pytestmark] == [clauses.one_rank_one_group]  # type: ignore[attr-defined]
     from _pytest.compat import getfuncargnames
 
     assert getfuncargnames(n6) == ("request", "kv_case")
-    assert getfuncargnames(namespace["test_kv_l9"]) == ("request", "kv_backend", "kv_device")
+    assert getfuncargnames(layout["test_kv_l9"]) == ("request", "kv_backend", "kv_device")
+    assert n6.__module__ == "pytest_kvconform.suite.test_nullblock"  # type: ignore[attr-defined]
 
 
-TABLE = "pytest_kvconform.suite.test_table"
+SUITE = [f"pytest_kvconform.suite.{m}" for m in (*clauses.FAMILY_MODULES.values(), "test_table")]
 
 
 @pytest.fixture
 def seeded_rows(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The clause table with :data:`NEW_ROWS`, and the suite's table module built from it,
-    for one test only (the shipped table module is back afterwards)."""
+    """The clause table with :data:`NEW_ROWS`, and the suite's modules built from it, for
+    one test only (the shipped suite modules are back afterwards)."""
     monkeypatch.setattr(clauses, "CLAUSES", (*clauses.CLAUSES, *NEW_ROWS))
     monkeypatch.setattr(clauses, "BY_ID", {c.id: c for c in clauses.CLAUSES})
-    before = sys.modules.pop(TABLE, None)
+    before = {name: sys.modules.pop(name, None) for name in SUITE}
     yield
-    sys.modules.pop(TABLE, None)
-    vars(pytest_kvconform.suite).pop("test_table", None)
-    if before is not None:
-        sys.modules[TABLE] = before
-        pytest_kvconform.suite.test_table = before  # type: ignore[attr-defined]
+    for name, module in before.items():
+        sys.modules.pop(name, None)
+        vars(pytest_kvconform.suite).pop(name.rpartition(".")[2], None)
+        if module is not None:
+            sys.modules[name] = module
+            setattr(pytest_kvconform.suite, name.rpartition(".")[2], module)
 
 
 @needs_omni
@@ -86,7 +100,7 @@ def test_the_suite_runs_a_new_row_and_reports_its_failure(kv_run) -> None:
     result.assert_outcomes(passed=1 + one_rank_one_group - 1, failed=1)
     result.stdout.fnmatch_lines([
         "KV-N6 violated ?case=padded?: padded pages are not planned",
-        "FAILED kvconform/test_table.py::test_kv_n6?padded? - *",
+        "FAILED kvconform/test_nullblock.py::test_kv_n6?padded? - *",
     ])
     # The matrix has the new clauses as columns: the backend's row and the upstream row.
     result.stdout.fnmatch_lines(["backend*L9 N6", "TORCH_SDPA .", "(upstream)*F"])

@@ -7,6 +7,12 @@ The checks and the oracle are never touched.  ``tests/seeding.py`` plants them f
 test (with pytest's ``monkeypatch``), ``kvconform selftest`` in a fresh process
 (:func:`planted`).
 
+Each fault is declared once, here, with :func:`declare`: its name, the clauses whose
+checks must catch it, what it does wrong, its patches and what the guarding checks run
+on.  ``adapters/fault_registry.py`` registers every declaration (:data:`PLANTED`) for
+``kvconform selftest``; a new clause's seeded fault is one ``declare`` (and its ``make``
+function) in this file.
+
 A fault that cannot be planted on the installed version (its module does not import,
 the attribute it replaces is gone, or what the replacement needs is missing) raises
 :class:`Unplantable` naming why, before anything is replaced.
@@ -33,6 +39,11 @@ GET_NEW_BLOCKS = "vllm.v1.core.block_pool:BlockPool.get_new_blocks"
 RANK_SIZING = "vllm_omni.diffusion.diffusion_kv.initialization:get_kv_cache_configs"
 
 
+# The backends the guarding checks of a layout fault run against: a plain registry backend
+# (the paged read faults name a stand-in of ``adapters/paged_standins.py``).
+PLAIN = "TORCH_SDPA"
+
+
 class Unplantable(RuntimeError):
     """The installed version lacks what a planted fault replaces or needs."""
 
@@ -43,6 +54,34 @@ class Patch:
 
     target: str
     make: Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Planted:
+    """A planted fault as :func:`declare` declared it (``fault_registry`` registers it)."""
+
+    name: str
+    clauses: tuple[str, ...]  # the clauses whose checks must catch it
+    what: str  # what the planted code does wrong, in words
+    patches: tuple[Patch, ...]
+    backend: str | None = None  # what the guarding checks run against (None: no backend)
+    cases: tuple[str, ...] = ("bf16_h8",)  # the spec cases they run on
+    family: str | None = None  # the registry's family; None: its first clause's
+
+
+# Every planted fault, in declaration order: the selftest's order.
+PLANTED: dict[str, Planted] = {}
+
+
+def declare(name: str, clauses: tuple[str, ...], what: str, *patches: Patch,
+            backend: str | None = None, cases: tuple[str, ...] = ("bf16_h8",),
+            family: str | None = None) -> tuple[Patch, ...]:
+    """Declare a planted fault (the one place it is declared); its patches, for the tests
+    that plant it by hand (``seed.plant(plants.HAND_STRIDES)``)."""
+    if name in PLANTED:
+        raise ValueError(f"planted fault {name!r} is declared twice")
+    PLANTED[name] = Planted(name, tuple(clauses), what, patches, backend, tuple(cases), family)
+    return patches
 
 
 def owner(target: str) -> tuple[Any, str]:
@@ -185,13 +224,30 @@ def _adopts_any(original: Any) -> Any:
 
 
 _ASSERTION = f"{_LAYOUT}:assert_backend_layout_supported"
-WRONG_PIN = (Patch(RESOLVER, _wrong_pin),)
-OVERWRITES_CONSISTENT_PIN = (Patch(RESOLVER, _overwrites_consistent_pin),)
-ACCEPTS_CONTRADICTORY_PIN = (Patch(RESOLVER, _accepts_contradictory_pin),)
-SILENT_ASSERTION = (Patch(_ASSERTION, _silent_assertion),)
-ASSERTION_RAISES_UNRESOLVED = (Patch(_ASSERTION, _raises_unresolved),)
-ASSERTION_REFUSES_ALL = (Patch(_ASSERTION, _refuses_all),)
-ADOPTS_ANY_LAYOUT = (Patch(f"{_LAYOUT}:adopt_kv_cache_layout", _adopts_any),)
+WRONG_PIN = declare(
+    "wrong_pin", ("KV-L2",), "resolve_diffusion_kv_cache_layout pins LBHNC whatever the "
+    "backend needs", Patch(RESOLVER, _wrong_pin), backend=PLAIN)
+OVERWRITES_CONSISTENT_PIN = declare(
+    "overwrites_consistent_pin", ("KV-L3",), "resolve_diffusion_kv_cache_layout replaces a "
+    "pinned layout consistent with the backend by the default",
+    Patch(RESOLVER, _overwrites_consistent_pin), backend=PLAIN)
+ACCEPTS_CONTRADICTORY_PIN = declare(
+    "accepts_contradictory_pin", ("KV-L4",), "resolve_diffusion_kv_cache_layout silently "
+    "replaces a pinned layout that contradicts the backend",
+    Patch(RESOLVER, _accepts_contradictory_pin), backend=PLAIN)
+SILENT_ASSERTION = declare(
+    "silent_layout_assertion", ("KV-L5",), "assert_backend_layout_supported never raises",
+    Patch(_ASSERTION, _silent_assertion), backend=PLAIN)
+ASSERTION_RAISES_UNRESOLVED = declare(
+    "assertion_raises_unresolved", ("KV-L5",), "assert_backend_layout_supported raises while "
+    "the layout is still unresolved", Patch(_ASSERTION, _raises_unresolved), backend=PLAIN)
+ASSERTION_REFUSES_ALL = declare(
+    "assertion_refuses_all", ("KV-L5",), "assert_backend_layout_supported refuses every "
+    "pinned layout, consistent ones too", Patch(_ASSERTION, _refuses_all), backend=PLAIN)
+ADOPTS_ANY_LAYOUT = declare(
+    "adoption_accepts_any_layout", ("KV-L8",), "adopt_kv_cache_layout takes whatever layout "
+    "the control plane sends over the worker's own pin",
+    Patch(f"{_LAYOUT}:adopt_kv_cache_layout", _adopts_any), backend=PLAIN)
 
 
 # --- KV-S: strides ----------------------------------------------------------------------
@@ -260,13 +316,31 @@ def _alias_in_group(original: Any) -> Any:
     return get_kv_cache_config_from_groups
 
 
-HAND_STRIDES = (Patch(BUILD_TENSOR, _hand_strides),)
-VIEW_OFFSET = (Patch(VIEWS, _one_page_late), Patch(VIEWS_IN_ALLOCATE, _one_page_late))
-VIEW_OFFSET_ALLOCATE = (Patch(VIEWS_IN_ALLOCATE, _one_page_late),)
-PADDED_AS_DENSE = (Patch(BUILD_TENSOR, _padded_as_dense),)
-UNRELATED_PADDED = (Patch(BUILD_TENSOR, _unrelated_padded),)
-UNRELATED_SPLIT = (Patch(VIEWS, _unrelated_split), Patch(VIEWS_IN_ALLOCATE, _unrelated_split))
-ALIAS_IN_GROUP = (Patch(f"{KV_CACHE_UTILS}:get_kv_cache_config_from_groups", _alias_in_group),)
+HAND_STRIDES = declare(
+    "hand_strides", ("KV-S1", "KV-S3"), "build_kv_cache_tensor writes layer-outermost strides "
+    "whatever the layout", Patch(BUILD_TENSOR, _hand_strides))
+VIEW_OFFSET = declare(
+    "view_offset", ("KV-S2",), "create_kv_cache_views starts every view one page late",
+    Patch(VIEWS, _one_page_late), Patch(VIEWS_IN_ALLOCATE, _one_page_late))
+VIEW_OFFSET_ALLOCATE = declare(
+    "view_offset_allocate", ("KV-S2",), "the views allocate_kv_cache makes start one page "
+    "late", Patch(VIEWS_IN_ALLOCATE, _one_page_late))
+PADDED_AS_DENSE = declare(
+    "padded_as_dense", ("KV-S4",), "build_kv_cache_tensor drops a padded page's padding",
+    Patch(BUILD_TENSOR, _padded_as_dense), cases=("padded",))
+UNRELATED_PADDED = declare(
+    "unrelated_padded", ("KV-S4",), "padded pages raise an unrelated ValueError where the "
+    "documented error is due", Patch(BUILD_TENSOR, _unrelated_padded), cases=("padded",))
+UNRELATED_SPLIT = declare(
+    "unrelated_split", ("KV-S4",), "kernel-block splitting raises an unrelated ValueError "
+    "where the documented error is due",
+    Patch(VIEWS, _unrelated_split), Patch(VIEWS_IN_ALLOCATE, _unrelated_split),
+    cases=("split_k8",))
+ALIAS_IN_GROUP = declare(
+    "alias_in_group", ("KV-S5",), "with several cache groups, layer l+1 starts one block "
+    "after layer l",
+    Patch(f"{KV_CACHE_UTILS}:get_kv_cache_config_from_groups", _alias_in_group),
+    cases=("groups2",))
 
 
 # --- KV-N: the null block -----------------------------------------------------------------
@@ -366,13 +440,28 @@ def _tensors_not_shrunk(original: Any) -> Any:
 
 _FIT = f"{KV_CACHE_UTILS}:_auto_fit_max_model_len"
 _CHECK = f"{KV_CACHE_UTILS}:_check_enough_kv_cache_memory"
-HANDS_OUT_NULL_BLOCK = (Patch(GET_NEW_BLOCKS, _hands_out_null_block),)
-CRASHES_WHEN_EXHAUSTED = (Patch(GET_NEW_BLOCKS, _crashes_when_exhausted),)
-FORGETS_NULL_BLOCK = (Patch(_FIT, _forgetful_fit), Patch(_CHECK, _forgetful_check))
-OVERRIDE_IGNORED = (Patch(RANK_SIZING, _override_ignored),)
-NO_REFUSAL = (Patch(_CHECK, _lax_check), Patch(_FIT, _lax_fit))
-SIZED_FOR_LARGEST = (Patch(RANK_SIZING, _sized_for_largest),)
-TENSORS_NOT_SHRUNK = (Patch(RANK_SIZING, _tensors_not_shrunk),)
+HANDS_OUT_NULL_BLOCK = declare(
+    "pool_hands_out_null_block", ("KV-N1",), "BlockPool.get_new_blocks hands out the null "
+    "block as the last free block", Patch(GET_NEW_BLOCKS, _hands_out_null_block))
+CRASHES_WHEN_EXHAUSTED = declare(
+    "pool_crashes_when_exhausted", ("KV-N1",), "an exhausted BlockPool raises RuntimeError "
+    "instead of refusing", Patch(GET_NEW_BLOCKS, _crashes_when_exhausted))
+FORGETS_NULL_BLOCK = declare(
+    "sizing_forgets_null_block", ("KV-N2", "KV-N3", "KV-N4"), "auto-fit and admission count "
+    "the null block as usable (the pre-0.29 sizing)",
+    Patch(_FIT, _forgetful_fit), Patch(_CHECK, _forgetful_check))
+OVERRIDE_IGNORED = declare(
+    "override_ignored", ("KV-N3",), "the control plane sizes ranks from profiled memory and "
+    "drops num_gpu_blocks_override", Patch(RANK_SIZING, _override_ignored))
+NO_REFUSAL = declare(
+    "no_refusal_below_two_pages", ("KV-N4",), "memory left for no usable block is accepted "
+    "instead of refused", Patch(_CHECK, _lax_check), Patch(_FIT, _lax_fit))
+SIZED_FOR_LARGEST = declare(
+    "ranks_sized_for_largest", ("KV-N5",), "every rank is sized from the largest rank's "
+    "memory", Patch(RANK_SIZING, _sized_for_largest))
+TENSORS_NOT_SHRUNK = declare(
+    "rank_tensors_not_shrunk", ("KV-N5",), "ranks take the smallest num_blocks but keep "
+    "tensors sized for their own memory", Patch(RANK_SIZING, _tensors_not_shrunk))
 
 
 # --- KV-L7: the paged stand-ins' reads -------------------------------------------------------
@@ -388,6 +477,18 @@ def _read(name: str) -> Callable[[Any], Any]:
 
 
 # A conforming stand-in's kernel swapped for one that misreads the cache.
-IGNORES_TABLE = (Patch(f"{_STANDINS}:PagedOk.IMPL", _read("IgnoresTable")),)
-WRONG_BLOCK_STRIDE = (Patch(f"{_STANDINS}:PagedOkBlockStride.IMPL", _read("WrongBlockStride")),)
-TRUNCATES_PARTIAL_BLOCK = (Patch(f"{_STANDINS}:PagedOk.IMPL", _read("TruncatesPartialBlock")),)
+PAGED_READ = "paged read"
+IGNORES_TABLE = declare(
+    "paged_ignores_block_table", ("KV-L7",), "PAGED_OK's kernel reads physical block j for "
+    "logical block j", Patch(f"{_STANDINS}:PagedOk.IMPL", _read("IgnoresTable")),
+    backend="PAGED_OK", family=PAGED_READ)
+WRONG_BLOCK_STRIDE = declare(
+    "paged_wrong_block_stride", ("KV-L7",), "PAGED_OK_BS's kernel steps blocks by one page in "
+    "a block-outermost layout",
+    Patch(f"{_STANDINS}:PagedOkBlockStride.IMPL", _read("WrongBlockStride")),
+    backend="PAGED_OK_BS", family=PAGED_READ)
+TRUNCATES_PARTIAL_BLOCK = declare(
+    "paged_truncates_partial_block", ("KV-L7",), "PAGED_OK's kernel reads a request's partial "
+    "last block from the null block",
+    Patch(f"{_STANDINS}:PagedOk.IMPL", _read("TruncatesPartialBlock")),
+    backend="PAGED_OK", family=PAGED_READ)

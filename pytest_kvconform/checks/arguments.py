@@ -1,22 +1,78 @@
-"""What each parameter name of a clause check is given: one mapping for both front-ends.
+"""What a clause check runs over and is given: one expansion, one mapping, both front-ends.
 
-The clause table names a check's parameters (``clauses.Check.args``); the pytest suite
-(``suite/test_table.py``, from fixtures) and :func:`pytest_kvconform.check_backend` (from
-its own planning) both hand :func:`arguments` the same :class:`Sources`, so a check is
-called alike from either.
+The clause table names a check's parameters (``clauses.Check.args``) and so its axes
+(``clauses.Check.axes``: backend or need, layout, case).  :func:`expand` gives each axis's
+values and ids, once for both front-ends: the pytest suite parametrises its fixtures with
+them (``session/selection.py``, the fixture of each in :data:`FIXTURE`) and
+:func:`pytest_kvconform.check_backend` plans its runs from them (``api._plan``), so the
+two run the same parameters under the same test ids.  Both then hand :func:`arguments`
+the same :class:`Sources`, so a check is called alike from either.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_kvconform.contract.clauses import AXES
 from pytest_kvconform.contract.records import BackendUnderTest, Case
 
 # The parameter names a check may take.
 NAMES = ("backend", "need", "need_backend", "layout", "case", "device", "workers", "worker",
          "workers_device", "workers_factory", "memory_fraction")
+# The suite fixture each parameter (and so each axis) comes from; ``request`` for what the
+# session's options give.
+FIXTURE: Mapping[str, str] = {
+    "backend": "kv_backend", "need": "kv_need", "need_backend": "kv_need",
+    "layout": "kv_layout", "case": "kv_case", "device": "kv_device",
+    "workers": "kv_workers", "worker": "kv_workers", "workers_device": "kv_workers",
+    "workers_factory": "kv_workers", "memory_fraction": "request"}
+# The seam's two needs, and their ids.
+NEEDS = (False, True)
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One parameter axis of a check: its name (:data:`~pytest_kvconform.contract.clauses.AXES`),
+    its values and their ids, in order."""
+
+    name: str
+    values: tuple[Any, ...]
+    ids: tuple[str, ...]
+
+    @property
+    def fixture(self) -> str:
+        return FIXTURE[self.name]
+
+
+def axis(name: str, *, backends: Sequence[BackendUnderTest], cases: Sequence[Case],
+         predicate: Callable[[Case], bool] | None = None) -> Axis:
+    """The values of axis ``name``: the backends, the two needs, the six layouts, or the
+    cases ``predicate`` selects (all of them when it is None)."""
+    if name == "backend":
+        return Axis(name, tuple(backends), tuple(b.name for b in backends))
+    if name == "need":
+        return Axis(name, NEEDS, tuple(f"need_{n}" for n in NEEDS))
+    if name == "layout":
+        from pytest_kvconform.adapters.compat import LAYOUT_NAMES
+
+        return Axis(name, tuple(LAYOUT_NAMES), tuple(LAYOUT_NAMES))
+    if name == "case":
+        chosen = tuple(c for c in cases if predicate is None or predicate(c))
+        return Axis(name, chosen, tuple(c.id for c in chosen))
+    raise KeyError(f"no parameter axis {name!r} (known: {', '.join(AXES)})")
+
+
+def expand(names: Sequence[str], *, backends: Sequence[BackendUnderTest],
+           cases: Sequence[Case], predicate: Callable[[Case], bool] | None = None
+           ) -> list[Axis]:
+    """:func:`axis` for each of ``names``, in test-id order (:data:`AXES`)."""
+    unknown = [n for n in names if n not in AXES]
+    if unknown:
+        raise KeyError(f"no parameter axis {unknown[0]!r} (known: {', '.join(AXES)})")
+    return [axis(n, backends=backends, cases=cases, predicate=predicate)
+            for n in AXES if n in names]
 
 
 @dataclass(frozen=True)

@@ -3,19 +3,23 @@
 A row says which family a clause belongs to, its title, which skip kinds strict
 qualification forgives it, what it is parametrised over, which spec cases it
 runs on, and which check function(s) in ``pytest_kvconform.checks`` carry it out
-(as import strings, resolved only when called).  The clause-id grammar and the
-family order live here too.
+(as import strings, resolved only when called).  The clause-id grammar, the family
+order and each family's suite module live here too.
 
 Stdlib only, beside :mod:`pytest_kvconform.contract.outcomes` at the bottom of the
 package: importing it imports neither pytest, torch, vLLM nor vllm-omni, so
 the plugin, the report, the plain Python API (:mod:`pytest_kvconform.api`) and
 the tests may all read it.
 
-Adding a clause is two edits: a ``check_kv_<x><n>`` function in ``checks/`` and
-a :class:`Clause` row in :data:`CLAUSES`.  ``suite/test_table.py`` then generates
-its pytest test and :func:`pytest_kvconform.check_backend` runs it; the rows
-that predate the table keep their hand-written suite tests (and test ids), which
-``tests/test_clauses.py`` holds to the table.
+Adding a clause is four edits (CONTRIBUTING.md, "Adding a clause"): its text in
+``contract.md``, a :class:`Clause` row in :data:`CLAUSES`, a ``check_kv_<x><n>``
+function in its family's ``checks/`` module, and its seeded fault (one
+``plants.declare(...)`` in ``adapters/plants.py``).  Everything else follows from the
+row: the family's suite module (:data:`FAMILY_MODULES`) generates its pytest tests,
+:func:`pytest_kvconform.check_backend` plans it, ``checks/arguments.py`` expands its
+axes for both, the report gets its column, ``kvconform selftest`` seeds its fault, and
+``docs/clauses.md``'s table is regenerated from :func:`markdown_table`
+(:func:`write_markdown_table`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,15 @@ FAMILY_TITLES: Mapping[str, str] = {
     "N": "null-block sizing",
     "A": "control plane to worker adoption",
 }
+# The suite module that generates each family's tests (``pytest_kvconform/suite/<name>.py``):
+# their ids read ``kvconform/test_layout.py::test_kv_l1[FLASH_ATTN]``.  A family without one
+# has its tests generated in ``suite/test_table.py``.
+FAMILY_MODULES: Mapping[str, str] = {
+    "L": "test_layout",
+    "S": "test_strides",
+    "N": "test_nullblock",
+    "A": "test_adoption",
+}
 # The one clause-id grammar: ``KV-L2`` is family L, number 2.
 CLAUSE_RE = re.compile(rf"^KV-(?P<family>[{FAMILY_ORDER}])(?P<number>[0-9]+)$")
 # A suite test cites its clause in its name: ``test_kv_l8_alias[TORCH_SDPA]`` -> KV-L8.
@@ -62,7 +75,9 @@ TEST_NAME_RE = re.compile(rf"^test_kv_(?P<family>[{FAMILY_ORDER.lower()}])(?P<nu
 #   memory_fraction the share of free device memory KV-A6 allocates       [--kv-memory-fraction]
 Arg = Literal["backend", "need", "need_backend", "layout", "case", "device", "workers",
               "worker", "workers_device", "workers_factory", "memory_fraction"]
-# The arguments that make the parameter axes, in the suite's id order (backend-layout-case).
+# The parameter axes a check runs over, in test-id order (``test_kv_a1_seam[need_True-ws2]``);
+# ``checks/arguments.py`` expands them for the suite and for ``check_backend`` alike.
+AXES: tuple[str, ...] = ("backend", "need", "layout", "case")
 WHO_ARGS: frozenset[str] = frozenset({"backend", "need", "need_backend"})
 WORKER_ARGS: frozenset[str] = frozenset({"workers", "worker", "workers_factory"})
 AppliesTo = Literal["backend", "layout x case", "case", "backend x case"]
@@ -165,9 +180,8 @@ class Check:
     @property
     def axes(self) -> tuple[str, ...]:
         """The parameters a run of this check varies over, in test-id order."""
-        order = ("backend", "need", "layout", "case")
         named = {"need" if a == "need_backend" else a for a in self.args}
-        return tuple(a for a in order if a in named)
+        return tuple(a for a in AXES if a in named)
 
     @property
     def needs_workers(self) -> bool:
@@ -194,6 +208,11 @@ class Clause:
     @property
     def number(self) -> int:
         return parse_clause(self.id)[1]
+
+    @property
+    def suite_module(self) -> str:
+        """The suite module its tests are collected from (``test_layout``)."""
+        return FAMILY_MODULES.get(self.family, "test_table")
 
     def test_name(self, check: Check) -> str:
         """The suite test function that runs ``check``: ``test_kv_l8_alias``."""
@@ -229,15 +248,16 @@ def _n(n: int, title: str, cases: Callable[[Case], bool], *args: Arg) -> Clause:
 
 
 def _a(n: int, title: str, cases: Callable[[Case], bool], *args: Arg,
-       forgiven: frozenset[SkipKind] = HARDWARE_FORGIVEN,
+       module: str = "adoption", forgiven: frozenset[SkipKind] = HARDWARE_FORGIVEN,
        variants: Mapping[str, tuple[str, ...]] | None = None,
        guards_stack: bool = False) -> Clause:
     """An adoption clause: for the backend's declared need, and once per need (seam).
 
-    ``variants`` maps each independent control to its neighbouring controls' test
-    names (a seam check's neighbours are the seam ones).
+    ``module`` is the ``checks/`` module holding its check functions (``adoption``, or
+    ``adoption_bytes`` for the clauses that read the worker's bytes).  ``variants`` maps
+    each independent control to its neighbouring controls' test names (a seam check's
+    neighbours are the seam ones).
     """
-    module = "adoption_bytes" if n in (3, 5, 6) else "adoption"
     checks: list[Check] = []
     for variant, controls in (variants or {"": ()}).items():
         name = f"check_kv_a{n}" + (f"_{variant}" if variant else "")
@@ -298,15 +318,17 @@ CLAUSES: tuple[Clause, ...] = (
     _n(5, "Several ranks take the smallest num_blocks", one_group, "case"),
     _a(1, "Pinned before sizing, stamped on every config", adoption_case, "case", "workers"),
     _a(2, "A real process boundary", adoption_case, "case", "workers"),
-    _a(3, "Worker adoption and allocation at oracle offsets", adoption_case, "case", "workers"),
+    _a(3, "Worker adoption and allocation at oracle offsets", adoption_case, "case", "workers",
+       module="adoption_bytes"),
     # The worker's own guards (production's), run on each backend.
     _a(4, "Negative controls", adoption_case, "case", "workers",
        # The contradiction is refused only by a fix that still allocates a consistent
        # layout (KV-A3) for the same backend and case.
        variants={"unadopted": (), "disagreement": (), "contradiction": ("test_kv_a3",)},
        guards_stack=True),
-    _a(5, "Several ranks, one process each", adoption_multi_rank, "case", "workers"),
-    _a(6, "Real allocation at scale", adoption_single_rank, *_A6_ARGS),
+    _a(5, "Several ranks, one process each", adoption_multi_rank, "case", "workers",
+       module="adoption_bytes"),
+    _a(6, "Real allocation at scale", adoption_single_rank, *_A6_ARGS, module="adoption_bytes"),
 )
 BY_ID: Mapping[str, Clause] = {c.id: c for c in CLAUSES}
 # The skip kinds strict qualification forgives some clause (the report's global rule).
@@ -436,3 +458,19 @@ def markdown_table() -> str:
         lines.append(f"| {row['clause']} | {row['title']} | {row['applies_to']} | "
                      f"{', '.join(row['forgiven'])} | {tests} | {controls} |")
     return "\n".join([*lines, "", CLAUSE_LIST_END])
+
+
+def with_markdown_table(text: str) -> str:
+    """``text`` (a page holding the generated table between its markers) with the table
+    regenerated from the rows."""
+    start, end = text.find(CLAUSE_LIST_BEGIN), text.find(CLAUSE_LIST_END)
+    if start < 0 or end < start:
+        raise ValueError(f"no clause table between {CLAUSE_LIST_BEGIN!r} and "
+                         f"{CLAUSE_LIST_END!r}")
+    return text[:start] + markdown_table() + text[end + len(CLAUSE_LIST_END):]
+
+
+def write_markdown_table(path: str | Path = "docs/clauses.md") -> None:
+    """Regenerate the clause table in the page at ``path`` (docs/clauses.md), in place."""
+    page = Path(path)
+    page.write_text(with_markdown_table(page.read_text(encoding="utf-8")), encoding="utf-8")

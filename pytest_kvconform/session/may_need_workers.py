@@ -8,10 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-# The suite tests that use ``kv_workers``: KV-A1..A6 (suite/test_adoption.py) and KV-L6.
-ADOPTION_TESTS = ("test_kv_a1", "test_kv_a2", "test_kv_a3", "test_kv_a4", "test_kv_a5",
-                  "test_kv_a6", "test_kv_l6", "test_adoption.py", "test_adoption",
-                  "test_layout.py", "test_layout")
+from pytest_kvconform.contract import clauses
+
+# The suite tests that use ``kv_workers`` (KV-A1..A6 and KV-L6 today), and their modules:
+# the clause table's checks that take worker processes.
+_WORKER_CHECKS = [(row, check) for row, check in clauses.check_names().values()
+                  if check.needs_workers]
+ADOPTION_TESTS: tuple[str, ...] = (
+    *dict.fromkeys(row.test_name(check) for row, check in _WORKER_CHECKS),
+    *dict.fromkeys(name for row, _ in _WORKER_CHECKS
+                   for name in (f"{row.suite_module}.py", row.suite_module)))
 
 
 def may_select_adoption(config: Any) -> bool:

@@ -20,8 +20,9 @@ import pytest
 from pytest_kvconform.adapters import compat, run_env
 from pytest_kvconform.adapters.discovery import Discovery, DiscoveryError, discover
 from pytest_kvconform.adapters.omni_plugins import load_plugins
+from pytest_kvconform.checks.arguments import FIXTURE, expand
 from pytest_kvconform.contract import cases as cases_mod
-from pytest_kvconform.contract.clauses import clause_from_test_name
+from pytest_kvconform.contract.clauses import AXES, clause_from_test_name
 from pytest_kvconform.contract.outcomes import describe_error
 from pytest_kvconform.contract.records import BackendUnderTest, Case
 from pytest_kvconform.session import failure_repr
@@ -238,22 +239,21 @@ class KvSelection:
         return True if self.usage_error else None
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """The suite's axes (backend, need, layout, case: those its fixtures name), expanded
+        as ``check_backend`` expands them (``checks/arguments.expand``); the cases are those
+        its ``kv_cases`` marker's predicate selects."""
         names = metafunc.fixturenames
-        if "kv_backend" in names:
-            backends: list[Any] = list(self.discovery.backends)
-            ids = [b.name for b in backends]
-            if not backends:
-                reason = "; ".join(self.discovery.notes) or "no backend discovered"
-                backends, ids = [_NoBackend(reason)], [NO_BACKEND_ID]
-            metafunc.parametrize("kv_backend", backends, ids=ids)
-        if "kv_layout" in names:
-            metafunc.parametrize("kv_layout", compat.LAYOUT_NAMES, ids=compat.LAYOUT_NAMES)
-        if "kv_need" in names:
-            metafunc.parametrize("kv_need", [False, True], ids=["need_False", "need_True"])
-        if "kv_case" in names:
-            marker = metafunc.definition.get_closest_marker("kv_cases")
-            selected = [c for c in self.cases if marker is None or marker.args[0](c)]
-            metafunc.parametrize("kv_case", selected, ids=[c.id for c in selected])
+        axes = [axis for axis in AXES if FIXTURE[axis] in names]
+        if not axes:
+            return
+        backends: list[Any] = list(self.discovery.backends)
+        if not backends:
+            reason = "; ".join(self.discovery.notes) or "no backend discovered"
+            backends = [_NoBackend(reason)]
+        marker = metafunc.definition.get_closest_marker("kv_cases")
+        for axis in expand(axes, backends=backends, cases=self.cases,
+                           predicate=marker.args[0] if marker is not None else None):
+            metafunc.parametrize(axis.fixture, list(axis.values), ids=list(axis.ids))
 
     # tryfirst: every collected test counts for stale-entry detection, also those
     # that -k or -m deselect afterwards.

@@ -12,16 +12,13 @@ from typing import Any
 
 import pytest
 
+from pytest_kvconform.checks.arguments import FIXTURE
 from pytest_kvconform.checks.common import via_recorded
 from pytest_kvconform.checks.errors import ClauseSkip, Unsupported
 from pytest_kvconform.contract.records import SKIP_KIND_PROPERTY, VIA_PROPERTY
 from pytest_kvconform.workers import budget
 
-# The fixture each check argument comes from.
-FIXTURE = {"backend": "kv_backend", "need": "kv_need", "need_backend": "kv_need",
-           "layout": "kv_layout", "case": "kv_case", "device": "kv_device",
-           "workers": "kv_workers", "worker": "kv_workers", "workers_device": "kv_workers",
-           "workers_factory": "kv_workers", "memory_fraction": "request"}
+__all__ = ["FIXTURE", "run_check"]  # FIXTURE: the fixture each check argument comes from
 
 
 def run_check(request: pytest.FixtureRequest, check: Callable[..., None], *args: Any,
