@@ -130,9 +130,9 @@ def test_seeded_upward_import_is_reported(seed: str) -> None:
 def test_seeded_cycle_in_a_layer_is_reported() -> None:
     sources = package_modules()
     sources["adapters.compat"] += "\nfrom pytest_kvconform.adapters import control_plane\n"
-    (problem,) = violations(sources)
-    assert problem.startswith("import cycle: ") and "compat" in problem \
-        and "control_plane" in problem
+    problems = violations(sources)  # control_plane reaches compat directly and via kv_planner
+    assert problems and all(p.startswith("import cycle: ") and "compat" in p
+                            and "control_plane" in p for p in problems), problems
 
 
 def test_type_checking_imports_count() -> None:

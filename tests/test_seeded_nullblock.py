@@ -113,7 +113,7 @@ def test_n1_pool_out_of_memory_is_an_oom_error(kv_run: Callable[..., pytest.RunR
     def exhausted(num_blocks: int) -> Any:
         raise MemoryError(f"cannot allocate a pool of {num_blocks} blocks")
 
-    seed.replace("pytest_kvconform.adapters.compat.block_pool", exhausted)
+    seed.replace("pytest_kvconform.adapters.kv_planner.block_pool", exhausted)
     result = kv_run("-k", "kv_n1 and bf16_h8", "--kv-report", "r.json")
     result.assert_outcomes(failed=1)  # pytest's outcome; the report says error
     [row] = json.loads((pytester.path / "r.json").read_text())["results"]
@@ -132,7 +132,7 @@ def test_n1_pool_past_the_hosts_memory_is_refused_unallocated(seed: Seeder) -> N
 
     case = next(c for c in cases.load_cases() if c.id == "bf16_h8")
     built: list[int] = []
-    seed.replace("pytest_kvconform.adapters.compat.block_pool", built.append)
+    seed.replace("pytest_kvconform.adapters.kv_planner.block_pool", built.append)
     seed.replace("pytest_kvconform.contract.memory.host_available_bytes", lambda: 1000)
     with pytest.raises(memory.OutOfMemory) as info:
         nullblock.check_kv_n1(case)

@@ -91,7 +91,7 @@ def test_l7_setup_failure_is_a_harness_error(seed: Seeder) -> None:
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("allocator exploded")
 
-    seed.replace("pytest_kvconform.adapters.compat.init_kv_cache", broken)
+    seed.replace("pytest_kvconform.adapters.kv_allocation.init_kv_cache", broken)
     backend = BackendUnderTest("PAGED_OK", "pytest_kvconform.adapters.paged_standins:PagedOk",
                                "hook", cls=PagedOk)
     with pytest.raises(HarnessError, match="allocator exploded") as info:

@@ -99,7 +99,7 @@ def test_allocation_out_of_memory_is_an_oom_error_not_a_failure(
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
                            "allocate memory: you tried to allocate 32768 bytes")
 
-    seed.replace("pytest_kvconform.adapters.compat.allocate_kv_cache", exhausted)
+    seed.replace("pytest_kvconform.adapters.kv_allocation.allocate_kv_cache", exhausted)
     result = kv_run("-k", "kv_s2_allocate and LBNHC and bf16_h8", "--kv-report", "r.json")
     result.assert_outcomes(failed=1)  # pytest's outcome; the report says error
     [row] = json.loads((pytester.path / "r.json").read_text())["results"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import compat
+from pytest_kvconform.adapters import compat, kv_planner
 from tests.seeding import Seeder, expect_run, literal
 
 KV_CACHE_UTILS = "vllm.v1.core.kv_cache_utils"
@@ -30,11 +30,11 @@ def without_omni(seed: Seeder) -> None:
 
 def _planner_module() -> str:
     """The module whose ``get_kv_cache_configs`` vLLM's control plane calls (it moved)."""
-    return compat.get_kv_cache_configs_fn().__module__
+    return kv_planner.get_kv_cache_configs_fn().__module__
 
 
 def test_weightless_model_declares_the_sequence_limit() -> None:
-    config = json.loads((compat.UPSTREAM_MODEL_DIR / "config.json").read_text())
+    config = json.loads((kv_planner.UPSTREAM_MODEL_DIR / "config.json").read_text())
     assert config["max_position_embeddings"] == compat.MODEL_SEQ_LIMIT
 
 
@@ -49,7 +49,7 @@ def test_clean_run_passes_on_vllm_alone(without_omni: None, kv_run: Callable[...
     assert via["test_kv_s1"].endswith("vllm-omni's build_kv_cache_tensor not checked "
                                       "(not installed)")
     assert via["test_kv_s2_allocate"].startswith("vLLM alone")
-    assert via["test_kv_n2"] == compat.UPSTREAM_CONTROL_PLANE
+    assert via["test_kv_n2"] == kv_planner.UPSTREAM_CONTROL_PLANE
     assert via["test_kv_s2"] == ""  # create_kv_cache_views is vLLM's wherever it runs
 
 

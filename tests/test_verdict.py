@@ -20,8 +20,7 @@ from pytest_kvconform.cli import main
 from pytest_kvconform.contract import outcome_rule
 from pytest_kvconform.contract.outcomes import ErrorKind, HarnessError
 from pytest_kvconform.report import build as rp
-from pytest_kvconform.session import results as session_results
-from pytest_kvconform.session import startup, xfails
+from pytest_kvconform.session import result_rows, startup, xfails
 from tests.conftest import KV_ARGS, needs_omni
 from tests.report_rows import ENVIRONMENT, backend_record, build, row
 from tests.seeding import Seeder, backends_conftest
@@ -609,15 +608,15 @@ def test_a_crashed_tests_properties_are_read_back_from_its_id() -> None:
     """xdist reports a dead worker's test by id alone when it died in set-up."""
     known = {"backends": ["FLASH_ATTN", "FLASH_ATTN_3_HUB"], "layouts": ["LBNHC", "BLNHC"],
              "cases": ["bf16_h8", "ws2"], "device": "cpu"}
-    props = session_results.properties_from_id(
+    props = result_rows.properties_from_id(
         "suite/test_table.py::test_kv_a2[FLASH_ATTN_3_HUB-ws2]", **known)
     assert props == [("kv_clause", "KV-A2"), ("kv_backend", "FLASH_ATTN_3_HUB"),
                      ("kv_layout", None), ("kv_case", "ws2"), ("kv_device", "cpu")]
-    props = session_results.properties_from_id("s.py::test_kv_s1[BLNHC-bf16_h8]", **known)
+    props = result_rows.properties_from_id("s.py::test_kv_s1[BLNHC-bf16_h8]", **known)
     assert dict(props or [])["kv_layout"] == "BLNHC"
-    seam = session_results.properties_from_id("s.py::test_kv_a3_seam[need_True-ws2]", **known)
+    seam = result_rows.properties_from_id("s.py::test_kv_a3_seam[need_True-ws2]", **known)
     assert dict(seam or [])["kv_backend"] == "need_True"
-    assert session_results.properties_from_id("t.py::test_other[x]", **known) is None
+    assert result_rows.properties_from_id("t.py::test_other[x]", **known) is None
 
 
 @needs_omni

@@ -4,8 +4,8 @@ Shared by the KV-A checks and the public ``kv_control_plane`` fixture, so a
 backend repository's own tests get exactly the configs the suite checks; the
 whole control plane (``initialize_diffusion_kv_control_plane``, for KV-L6)
 runs here too, against a recording executor.  API adaptation stays in
-``compat`` (which never imports this module); vLLM and vllm-omni are imported
-lazily.
+``compat``, ``kv_planner`` and ``kv_allocation`` (none of which imports this module);
+vLLM and vllm-omni are imported lazily.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_kvconform.adapters import compat, executor_wire
+from pytest_kvconform.adapters import compat, executor_wire, kv_planner
 from pytest_kvconform.contract.outcomes import SkipKind, Unsupported
 from pytest_kvconform.contract.records import Case
 
@@ -58,7 +58,7 @@ class ControlPlane:
 def default_memory(case: Case) -> int:
     """Bytes per rank that give ``case.num_pages`` physical pages."""
     spec = compat.attention_spec(case)
-    return compat.page_bytes(spec) * case.num_layers * case.num_pages
+    return kv_planner.page_bytes(spec) * case.num_layers * case.num_pages
 
 
 def build_control_plane(need: bool, case: Case, *, world_size: int | None = None,
@@ -75,7 +75,7 @@ def build_control_plane(need: bool, case: Case, *, world_size: int | None = None
     memory = list(available_memory) if available_memory is not None else [default_memory(case)] * n
     vllm_config = compat.production_vllm_config(device, world_size=n)
     with sizing_spy() as sized_with:
-        rank_configs, scheduler_config = compat.build_native_kv_cache_configs(
+        rank_configs, scheduler_config = kv_planner.build_native_kv_cache_configs(
             vllm_config, specs, memory, indexes_kv_by_block_stride=need)
     return ControlPlane(need=need, case=case, world_size=n, device=device,
                         vllm_config=vllm_config, rank_configs=list(rank_configs),

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_kvconform.adapters import compat
+from pytest_kvconform.adapters import compat, kv_allocation, kv_planner
 from pytest_kvconform.adapters.control_plane import default_memory
 from pytest_kvconform.contract.outcomes import HarnessError
 from pytest_kvconform.contract.records import Case
@@ -154,7 +154,7 @@ def control_plane_config(layout: str, need: bool, case: Case, device: str,
     vllm_config = compat.production_vllm_config(device)
     vllm_config.cache_config.kv_cache_layout = layout
     memory = default_memory(case)
-    rank_configs, _ = compat.build_native_kv_cache_configs(
+    rank_configs, _ = kv_planner.build_native_kv_cache_configs(
         vllm_config, [dict(layer_specs)], [memory], indexes_kv_by_block_stride=need)
     stamped = getattr(rank_configs[0], "kv_cache_layout", None)
     if stamped != layout:
@@ -184,7 +184,7 @@ class PortableDriver:
         _, rank_config = control_plane_config(layout, need, case, self.device, specs)
         worker = compat.production_vllm_config(self.device)
         compat.adopt_layout(worker, rank_config)
-        views = compat.init_kv_cache(worker, rank_config, self.device)
+        views = kv_allocation.init_kv_cache(worker, rank_config, self.device)
         missing = [n for n in self.layer_names if n not in views]
         if missing:
             raise HarnessError(f"KV-L7 set-up: init_kv_cache returned no view for {missing}")

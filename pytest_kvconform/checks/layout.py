@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -18,9 +15,17 @@ from pytest_kvconform.checks.common import (
     cuda_init_recorder,
     declared_need,
 )
-from pytest_kvconform.checks.errors import (
-    HarnessError,
-    SkipKind,
+from pytest_kvconform.checks.errors import HarnessError, SkipKind
+from pytest_kvconform.checks.layout_resolution import (
+    add_env_var_problems,
+    add_problem,
+    kept_problem,
+    layout_name,
+    layouts_for,
+    pinned_config,
+    raised,
+    refusal_problem,
+    resolve,
 )
 from pytest_kvconform.contract import oracle
 from pytest_kvconform.contract.records import BackendUnderTest, Case
@@ -114,84 +119,6 @@ def check_kv_l2(backend: BackendUnderTest) -> None:
 # The control plane's probe model (KV-L6): which layout gets pinned is the point,
 # not sizing, which KV-S and KV-N cover.
 _PROBE_CASE = Case(id="kv_l6_probe", file="<kv_l6>")
-# VLLM_KV_CACHE_LAYOUT values per need: (consistent, contradicting).  The
-# consistent one is never the resolver's default for that need, so a variable
-# that is silently ignored cannot pass by coincidence.
-_ENV_PICKS = {False: ("LBHNC", "BLNHC"), True: ("BLHNC", "LBNHC")}
-
-# (detail, expected, actual) of one thing that went wrong.
-Problem = tuple[str, object, object]
-
-
-def layouts_for(need: bool, *, consistent: bool) -> list[str]:
-    """The layouts whose block-outermost-ness (per the oracle) matches or contradicts ``need``."""
-    return [name for name in compat.LAYOUT_NAMES
-            if (oracle.is_block_outermost(name) == need) is consistent]
-
-
-def _name(layout: Any) -> Any:
-    return getattr(layout, "name", layout)
-
-
-def _config(pinned: str | None) -> Any:
-    """A fresh ``VllmConfig``, its ``CacheConfig`` pinned to ``pinned`` as a user would."""
-    vllm_config = compat.plain_vllm_config()
-    if pinned is not None:
-        vllm_config.cache_config.kv_cache_layout = pinned
-    return vllm_config
-
-
-def _resolve(vllm_config: Any, need: bool, required: Any = None) -> Any:
-    return compat.resolve_diffusion_layout(vllm_config, indexes_kv_by_block_stride=need,
-                                           required_layout=required)
-
-
-def _raised(exc: BaseException) -> str:
-    if isinstance(exc, KeyError):
-        return f"raised a bare KeyError({exc})"
-    return f"raised {type(exc).__name__}: {exc}"
-
-
-def _kept_problem(call: Callable[[], Any], vllm_config: Any, expected: str,
-                  recorded: tuple[str, ...]) -> Problem | None:
-    """None when ``call()`` returns ``expected`` and the config records one of ``recorded``."""
-    try:
-        got = call()
-    except Exception as exc:
-        return f"refused it and {_raised(exc)}", expected, repr(exc)
-    if _name(got) != expected:
-        return "returned another layout", expected, _name(got)
-    after = vllm_config.cache_config.kv_cache_layout
-    if after not in recorded:
-        return "changed CacheConfig.kv_cache_layout", recorded[0], after
-    return None
-
-
-def _refusal_problem(call: Callable[[], Any], vllm_config: Any,
-                     names: tuple[str, ...]) -> Problem | None:
-    """None when ``call()`` raises ValueError naming one of ``names``, config untouched."""
-    before = vllm_config.cache_config.kv_cache_layout
-    expected = f"ValueError naming {names[0]}, CacheConfig.kv_cache_layout left {before!r}"
-    try:
-        got = call()
-    except ValueError as exc:
-        after = vllm_config.cache_config.kv_cache_layout
-        if after != before:
-            return "raised but changed CacheConfig.kv_cache_layout", before, after
-        if not any(name in str(exc) for name in names):
-            return "raised a ValueError that does not name the layout", expected, str(exc)
-        return None
-    except Exception as exc:
-        return f"{_raised(exc)} instead of a ValueError naming the layout", expected, repr(exc)
-    after = vllm_config.cache_config.kv_cache_layout
-    return (f"accepted it: returned {_name(got)}, CacheConfig.kv_cache_layout={after!r}",
-            expected, _name(got))
-
-
-def _add(problems: Problems, what: str, problem: Problem, layout: str, verb: str) -> None:
-    """Record ``problem`` of the sub-scenario ``what`` (``verb``: who went wrong)."""
-    detail, expected, actual = problem
-    problems.add(f"{what}, but {verb} {detail}", layout=layout, expected=expected, actual=actual)
 
 
 def check_kv_l3(backend: BackendUnderTest) -> None:
@@ -203,7 +130,7 @@ def check_kv_l3(backend: BackendUnderTest) -> None:
     problems = Problems(where)
     for name in layouts_for(need, consistent=True):
         member = compat.layout(name)
-        pinned, required, both = _config(name), _config(None), _config(name)
+        pinned, required, both = pinned_config(name), pinned_config(None), pinned_config(name)
         scenarios = (
             (f"pinned layout {name} (consistent with the backend)", pinned, None),
             (f"pinned layout {name}, resolved a second time (idempotence)", pinned, None),
@@ -213,10 +140,10 @@ def check_kv_l3(backend: BackendUnderTest) -> None:
             (f"pinned layout {name} equal to the connector's requirement", both, member),
         )
         for what, vllm_config, req in scenarios:
-            problem = _kept_problem(partial(_resolve, vllm_config, need, req), vllm_config,
-                                    name, (name,))
+            problem = kept_problem(partial(resolve, vllm_config, need, req), vllm_config,
+                                   name, (name,))
             if problem is not None:
-                _add(problems, what, problem, name, "resolution")
+                add_problem(problems, what, problem, name, "resolution")
     problems.raise_any()
 
 
@@ -228,7 +155,7 @@ def check_kv_l4(backend: BackendUnderTest) -> None:
     need = declared_need(clause, backend)
     problems = Problems(where)
     for name in layouts_for(need, consistent=False):
-        pinned, required = _config(name), _config(None)
+        pinned, required = pinned_config(name), pinned_config(None)
         scenarios = (
             (f"pinned layout {name} contradicts indexes_kv_by_block_stride()={need}",
              pinned, None),
@@ -236,10 +163,10 @@ def check_kv_l4(backend: BackendUnderTest) -> None:
              required, compat.layout(name)),
         )
         for what, vllm_config, req in scenarios:
-            problem = _refusal_problem(partial(_resolve, vllm_config, need, req), vllm_config,
-                                       (name,))
+            problem = refusal_problem(partial(resolve, vllm_config, need, req), vllm_config,
+                                      (name,))
             if problem is not None:
-                _add(problems, what, problem, name, "resolution")
+                add_problem(problems, what, problem, name, "resolution")
     problems.raise_any()
 
 
@@ -254,7 +181,7 @@ def check_kv_l5_unresolved(backend: BackendUnderTest) -> None:
     """KV-L5: the backend-layout assertion is silent while the layout is unresolved (a
     worker not yet told the layout must not crash) and pins nothing."""
     where, cls, _ = _l5(backend)
-    unresolved = _config(None)
+    unresolved = pinned_config(None)
     try:
         compat.assert_backend_layout_supported(unresolved, cls)
     except Exception as exc:
@@ -274,7 +201,7 @@ def check_kv_l5_consistent(backend: BackendUnderTest) -> None:
     where, cls, need = _l5(backend)
     for name in layouts_for(need, consistent=True):
         try:
-            compat.assert_backend_layout_supported(_config(name), cls)
+            compat.assert_backend_layout_supported(pinned_config(name), cls)
         except Exception as exc:
             raise where.fail(f"assert_backend_layout_supported raised for layout {name}"
                              f", which is consistent with indexes_kv_by_block_stride()={need}",
@@ -287,11 +214,11 @@ def check_kv_l5_contradiction(backend: BackendUnderTest) -> None:
     where, cls, need = _l5(backend)
     for name in layouts_for(need, consistent=False):
         try:
-            compat.assert_backend_layout_supported(_config(name), cls)
+            compat.assert_backend_layout_supported(pinned_config(name), cls)
         except ValueError:
             continue
         except Exception as exc:
-            raise where.fail(f"assert_backend_layout_supported {_raised(exc)} for "
+            raise where.fail(f"assert_backend_layout_supported {raised(exc)} for "
                              f"contradictory layout {name}",
                              layout=name, expected="ValueError", actual=repr(exc)) from exc
         raise where.fail(f"assert_backend_layout_supported stayed silent for layout "
@@ -391,17 +318,17 @@ def _l8_canonical(backend: BackendUnderTest, *, consistent: bool) -> None:
     need = declared_need(clause, backend)
     problems = Problems(where)
     for name in layouts_for(need, consistent=consistent):
-        vllm_config = _config(name)
-        call = partial(_resolve, vllm_config, need)
+        vllm_config = pinned_config(name)
+        call = partial(resolve, vllm_config, need)
         if consistent:
             what = f"user-pinned CacheConfig.kv_cache_layout={name!r} must be honoured"
-            problem = _kept_problem(call, vllm_config, name, (name,))
+            problem = kept_problem(call, vllm_config, name, (name,))
         else:
             what = (f"user-pinned CacheConfig.kv_cache_layout={name!r} contradicts the backend "
                     "and must be refused with a ValueError naming it")
-            problem = _refusal_problem(call, vllm_config, (name,))
+            problem = refusal_problem(call, vllm_config, (name,))
         if problem is not None:
-            _add(problems, what, problem, name, "it")
+            add_problem(problems, what, problem, name, "it")
     problems.raise_any()
 
 
@@ -427,19 +354,19 @@ def check_kv_l8_alias(backend: BackendUnderTest) -> None:
                          SkipKind.NOT_APPLICABLE)
     problems = Problems(where)
     for alias, canonical in aliases.items():
-        vllm_config = _config(alias)
-        call = partial(_resolve, vllm_config, need)
+        vllm_config = pinned_config(alias)
+        call = partial(resolve, vllm_config, need)
         if oracle.is_block_outermost(canonical) == need:
             what = (f"user-pinned CacheConfig.kv_cache_layout={alias!r} (upstream's legacy alias "
                     f"for {canonical}) must be honoured as {canonical}")
-            problem = _kept_problem(call, vllm_config, canonical, (alias, canonical))
+            problem = kept_problem(call, vllm_config, canonical, (alias, canonical))
         else:
             what = (f"user-pinned CacheConfig.kv_cache_layout={alias!r} (upstream's legacy alias "
                     f"for {canonical}) contradicts the backend and must be refused with a "
                     "ValueError naming it")
-            problem = _refusal_problem(call, vllm_config, (alias, canonical))
+            problem = refusal_problem(call, vllm_config, (alias, canonical))
         if problem is not None:
-            _add(problems, what, problem, alias, "it")
+            add_problem(problems, what, problem, alias, "it")
     problems.raise_any()
 
 
@@ -457,12 +384,12 @@ def check_kv_l8_worker_disagreement(backend: BackendUnderTest) -> None:
     need = declared_need(clause, backend)
     consistent = layouts_for(need, consistent=True)
     sent_name, pinned = consistent[0], consistent[-1]
-    worker = _config(pinned)
+    worker = pinned_config(pinned)
     sent = compat.kv_cache_config_with_layout(sent_name)
     what = (f"a worker whose CacheConfig.kv_cache_layout={pinned!r} must refuse the control "
             f"plane's {sent_name!r} (another layout, not an alias of it)")
-    problem = _refusal_problem(partial(compat.adopt_layout, worker, sent), worker,
-                               (pinned, sent_name))
+    problem = refusal_problem(partial(compat.adopt_layout, worker, sent), worker,
+                              (pinned, sent_name))
     if problem is not None:
         detail, expected, actual = problem
         raise where.fail(f"{what}, but adoption {detail}", layout=pinned, expected=expected,
@@ -484,61 +411,20 @@ def check_kv_l8_worker_alias(backend: BackendUnderTest) -> None:
                          SkipKind.NOT_APPLICABLE)
     problems = Problems(where)
     for alias, canonical in usable.items():
-        worker = _config(alias)
+        worker = pinned_config(alias)
         sent = compat.kv_cache_config_with_layout(canonical)
         what = (f"a worker whose CacheConfig.kv_cache_layout={alias!r} (alias of {canonical}) "
                 f"must adopt the control plane's {canonical!r}")
-        problem = _kept_problem(partial(compat.adopt_layout, worker, sent), worker, canonical,
-                                (alias, canonical))
+        problem = kept_problem(partial(compat.adopt_layout, worker, sent), worker, canonical,
+                               (alias, canonical))
         if problem is None:
             got = worker.cache_config.get_resolved_kv_cache_layout()
-            if _name(got) != canonical:
+            if layout_name(got) != canonical:
                 problem = ("left get_resolved_kv_cache_layout() at another layout", canonical,
-                           _name(got))
+                           layout_name(got))
         if problem is not None:
-            _add(problems, what, problem, alias, "it")
+            add_problem(problems, what, problem, alias, "it")
     problems.raise_any()
-
-
-@contextlib.contextmanager
-def _env_var(name: str, value: str | None) -> Iterator[None]:
-    """Set (or unset) an environment variable and restore it, whatever happens."""
-    old = os.environ.get(name)
-    try:
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-def _env_problem(need: bool, value: str, consistent: bool, device: str) -> Problem | None:
-    """Resolve a production config built under ``VLLM_KV_CACHE_LAYOUT=value``."""
-    var = compat.LAYOUT_ENV_VAR
-    expected = value if consistent else f"ValueError naming {value} or {var}"
-    with _env_var(var, value):
-        try:
-            vllm_config = compat.production_vllm_config(device)
-            got = _resolve(vllm_config, need)
-        except ValueError as exc:
-            if consistent:
-                return "was refused although it is consistent", expected, repr(exc)
-            if value not in str(exc) and var not in str(exc):
-                return "was refused by a ValueError naming neither it nor the variable", \
-                    expected, str(exc)
-            return None
-        except Exception as exc:
-            return f"{_raised(exc)}", expected, repr(exc)
-    recorded = vllm_config.cache_config.kv_cache_layout
-    if consistent and _name(got) == value and recorded == value:
-        return None
-    return (f"was silently ignored: diffusion resolution pinned {recorded} "
-            f"(returned {_name(got)})", expected, _name(got))
 
 
 def _l8_env(backend: BackendUnderTest, device: str, *, consistent: bool) -> None:
@@ -546,19 +432,8 @@ def _l8_env(backend: BackendUnderTest, device: str, *, consistent: bool) -> None
     where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     need = declared_need(clause, backend)
-    var = compat.LAYOUT_ENV_VAR
-    before = os.environ.get(var)
     problems = Problems(where)
-    value = _ENV_PICKS[need][0 if consistent else 1]
-    relation = "consistent with" if consistent else "contradicts"
-    what = (f"{var}={value} ({relation} indexes_kv_by_block_stride()={need}) must be "
-            + ("honoured" if consistent else "refused with a ValueError"))
-    problem = _env_problem(need, value, consistent, device)
-    if problem is not None:
-        _add(problems, what, problem, value, "it")
-    if os.environ.get(var) != before:
-        problems.add(f"{var} leaked out of the check, but it was not restored", layout="",
-                     expected=before, actual=os.environ.get(var))
+    add_env_var_problems(problems, need, device, consistent=consistent)
     problems.raise_any()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pytest_kvconform.adapters import compat
+from pytest_kvconform.adapters import compat, kv_planner
 from pytest_kvconform.checks.common import Where, allocating, note_via
 from pytest_kvconform.checks.errors import ClauseSkip, HarnessError, Unsupported
 from pytest_kvconform.checks.geometry import geometry_for, page_stride
@@ -48,14 +48,14 @@ def plan(case: Case, memory: list[int], *, max_model_len: int = -1,
          num_gpu_blocks_override: int | None = None) -> Plan:
     """Size through the installed control plane, exactly as it is called: vllm-omni's
     production one, or vLLM's own engine core's where vllm-omni is absent (``via``)."""
-    via = compat.control_plane_via()
+    via = kv_planner.control_plane_via()
     if via is not None:
         note_via(via)
-    vllm_config = compat.control_plane_config(
+    vllm_config = kv_planner.control_plane_config(
         max_model_len=max_model_len, num_gpu_blocks_override=num_gpu_blocks_override,
         world_size=len(memory))
     specs = compat.worker_specs(replace(case, world_size=len(memory)))
-    workers, scheduler = compat.control_plane(vllm_config, specs, memory)
+    workers, scheduler = kv_planner.control_plane(vllm_config, specs, memory)
     return Plan(workers, scheduler, vllm_config.model_config.max_model_len)
 
 
@@ -113,7 +113,7 @@ def _block_pool(where: Where, pages: int) -> Any:
     """vLLM's BlockPool of ``pages`` blocks, built here: bounded, or an ``oom`` error."""
     with allocating(where, f"building a BlockPool of {pages} blocks",
                     pages * POOL_BYTES_PER_BLOCK):
-        return compat.block_pool(pages)
+        return kv_planner.block_pool(pages)
 
 
 def _check_handed(where: Where, pool: Any, handed: list[Any], usable: int,
@@ -192,11 +192,11 @@ def _check_sizing(where: Where, memory_pages: int, *, override: int | None) -> N
                          f"{usable} usable blocks, min({compat.MODEL_SEQ_LIMIT}, "
                          f"{case.block_size} * {usable})",
                          expected=expected_len, actual=auto.max_model_len)
-    vllm_config = compat.control_plane_config(max_model_len=auto.max_model_len,
+    vllm_config = kv_planner.control_plane_config(max_model_len=auto.max_model_len,
                                               num_gpu_blocks_override=override)
     with allocating(where, f"building the scheduler's BlockPool of {pages} blocks",
                     pages * POOL_BYTES_PER_BLOCK):
-        scheduler_pool = compat.scheduler_block_pool(vllm_config, auto.scheduler_config)
+        scheduler_pool = kv_planner.scheduler_block_pool(vllm_config, auto.scheduler_config)
     free = scheduler_pool.get_num_free_blocks()
     if free != usable:
         raise where.fail(f"{setting}: the scheduler's BlockPool must offer "

@@ -5,7 +5,7 @@ case's own numbers, never from ``compute_layout_strides``.  Two production sourc
 checked: vllm-omni's ``build_kv_cache_tensor`` and the control plane's planner
 (``get_kv_cache_configs`` on vllm-omni's production config, with the layout pinned).
 Where vllm-omni is not installed, the planner runs on vLLM's own config
-(:func:`~pytest_kvconform.adapters.compat.control_plane_config`) and vllm-omni's source is
+(:func:`~pytest_kvconform.adapters.kv_planner.control_plane_config`) and vllm-omni's source is
 left out; the result's ``via`` says so.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvconform.adapters import compat
+from pytest_kvconform.adapters import compat, kv_allocation, kv_planner
 from pytest_kvconform.checks import bytemap
 from pytest_kvconform.checks.common import Where, allocating, note_via
 from pytest_kvconform.checks.errors import ClauseFailure, ClauseSkip, HarnessError, Unsupported
@@ -60,7 +60,7 @@ def omni_tensor(case: Case, layout: str, layers: Sequence[str] | None = None,
     """vllm-omni's ``KVCacheTensor`` for the case's layers over ``num_pages`` blocks."""
     names = list(layers) if layers is not None else compat.layer_names(case)
     spec = spec if spec is not None else compat.attention_spec(case)
-    return compat.build_kv_cache_tensor(spec, case.num_pages, names, compat.layout(layout))
+    return kv_allocation.build_kv_cache_tensor(spec, case.num_pages, names, compat.layout(layout))
 
 
 def omni_sources() -> bool:
@@ -82,15 +82,15 @@ def planned_config(case: Case, layout: str, *, hybrid: bool = False) -> Any:
     """
     if not compat.omni_installed():
         note_via(UPSTREAM_PLANNER)
-    vllm_config = compat.control_plane_config()
-    if hybrid and not compat.enable_hybrid_kv_cache_manager(vllm_config):
+    vllm_config = kv_planner.control_plane_config()
+    if hybrid and not kv_planner.enable_hybrid_kv_cache_manager(vllm_config):
         raise RuntimeError("the installed SchedulerConfig has no "
                            "disable_hybrid_kv_cache_manager switch")
     vllm_config.cache_config.kv_cache_layout = layout
     layers_per_group = math.ceil(case.num_layers / case.num_groups)
     memory = page_stride(case) * layers_per_group * case.num_pages
     specs = compat.worker_specs(case)
-    return compat.get_kv_cache_configs(vllm_config, specs, [memory] * len(specs))[0]
+    return kv_planner.get_kv_cache_configs(vllm_config, specs, [memory] * len(specs))[0]
 
 
 def _check_num_blocks(where: Where, config: Any) -> None:
@@ -203,7 +203,7 @@ def _allocate(where: Where, config: Any, device: str, member: Any,
     """``allocate_kv_cache`` on the planner's config: bounded, or an ``oom`` error."""
     asked = sum(int(t.size) for t in config.kv_cache_tensors)
     with allocating(where, f"allocating the planned {asked}-byte KV cache on {device}", asked):
-        return compat.allocate_kv_cache(config, device, member, kernel_sizes)
+        return kv_allocation.allocate_kv_cache(config, device, member, kernel_sizes)
 
 
 def _created_views(where: Where, case: Case, layout: str, tensor: Any, size: int,
@@ -213,7 +213,7 @@ def _created_views(where: Where, case: Case, layout: str, tensor: Any, size: int
     with allocating(where, f"allocating a guarded {size}-byte KV cache on {device}",
                     size * (1 + 2 * bytemap.GUARD_FACTOR)):
         raw, whole, base = bytemap.guarded_buffer(size, device)
-    views = compat.create_kv_cache_views(raw, compat.attention_spec(case), case.num_pages,
+    views = kv_allocation.create_kv_cache_views(raw, compat.attention_spec(case), case.num_pages,
                                          compat.layout(layout), tensor, kernel_block_size)
     return _views_in_order(where, VIEWS_SOURCE, views, list(tensor.layers)), whole, base
 
@@ -245,7 +245,7 @@ def check_kv_s2(layout: str, case: Case, device: str) -> None:
     table = oracle.address_table(layout, geom)
     expected = oracle.expected_tensor(layout, geom)
     layers = compat.layer_names(case)
-    tensor = compat.kv_cache_tensor(expected.size, layers, expected.layer_stride,
+    tensor = kv_allocation.kv_cache_tensor(expected.size, layers, expected.layer_stride,
                                     expected.block_stride, expected.offset)
     views, whole, base = where.call(VIEWS_SOURCE, _created_views, where, case, layout, tensor,
                                     expected.size, device)
@@ -427,5 +427,5 @@ def check_kv_s5(layout: str, case: Case, device: str) -> None:
               for g in range(case.num_groups)]
     tensors = [where.call(OMNI_SOURCE, omni_tensor, case, layout, names, spec)
                for names, spec in groups]
-    by_hand = compat.kv_cache_config(case.num_pages, tensors, groups, layout)
+    by_hand = kv_allocation.kv_cache_config(case.num_pages, tensors, groups, layout)
     _check_groups(where, f"{OMNI_SOURCE} per group", by_hand, device)

@@ -5,6 +5,8 @@ Stdlib only (nothing here imports pytest, torch or vllm), so ``kvconform show`` 
 
 The report's concerns live in their own modules, each importing only the ones before it:
 
+* :mod:`~pytest_kvconform.report.result_notes`: what speaks against qualification, in
+  words, and which failures follow from a failed declaration;
 * :mod:`~pytest_kvconform.report.verdict`: the strict rule, the verdict, the run and
   selection records;
 * :mod:`~pytest_kvconform.report.schema`: the schema's keys and :func:`validate_report`;
@@ -63,6 +65,7 @@ from pytest_kvconform.report.render import (
     render_terminal_matrix,
     worst_status,
 )
+from pytest_kvconform.report.result_notes import not_a_fix, result_notes, with_dependencies
 from pytest_kvconform.report.schema import (
     BACKEND_KEYS,
     BACKEND_OPTIONAL_KEYS,
@@ -90,10 +93,8 @@ from pytest_kvconform.report.verdict import (
     interruption_of,
     judge,
     left_out,
-    not_a_fix,
     now_iso,
     ran_count,
-    result_notes,
     run_record,
     scope_of,
     selection_record,
@@ -104,7 +105,6 @@ from pytest_kvconform.report.verdict import (
     summarize,
     uncovered_entries,
     verdict_text,
-    with_dependencies,
 )
 from pytest_kvconform.workers.devices import nvidia_smi
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pytest_kvconform.contract.clauses import clause_sort_key
+from pytest_kvconform.report.result_notes import result_notes
 from pytest_kvconform.report.verdict import (
     STATUSES,
     bites,
@@ -21,7 +22,6 @@ from pytest_kvconform.report.verdict import (
     in_scope,
     interruption_of,
     left_out,
-    result_notes,
     scope_of,
     stack_record,
 )

@@ -18,13 +18,13 @@ from typing import Any
 from pytest_kvconform.contract import CONTRACT_VERSION
 from pytest_kvconform.contract.clauses import CLAUSE_RE, SUBJECTS
 from pytest_kvconform.contract.outcomes import ErrorKind, SkipKind
+from pytest_kvconform.report.result_notes import dependents
 from pytest_kvconform.report.verdict import (
     STARTUP_FAILURE_KEYS,
     STATUSES,
     UNCOVERED_KEYS,
     UNCOVERED_SCOPES,
     VERDICTS,
-    dependents,
     judge,
     ran_count,
     stack_record,

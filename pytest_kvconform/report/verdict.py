@@ -33,7 +33,10 @@ under test, or the serving stack.  A backend-scoped run (``--kv-backend`` left b
 is judged on its backends' ``backend`` results alone (:func:`scope_of`); the stack's results
 are told apart (:func:`stack_record`): known findings listed, anything else the stack's
 regression.  When a backend's declaration (KV-L1) fails, the backend's other failures are
-reported as depending on it (:func:`dependents`), and the verdict names KV-L1 first.
+reported as depending on it
+(:func:`~pytest_kvconform.report.result_notes.dependents`), and the verdict names KV-L1
+first; :mod:`~pytest_kvconform.report.result_notes` words what speaks against
+qualification.
 
 A deployment that production could not start is ``not qualified`` whatever the
 results (:func:`startup_failures`): a general plugin whose hook raises stops every
@@ -53,6 +56,12 @@ from typing import Any
 
 from pytest_kvconform.contract import clauses
 from pytest_kvconform.contract.clauses import clause_sort_key, skip_forgiven
+from pytest_kvconform.report.result_notes import (
+    dependents,
+    named_tests,
+    result_notes,
+    test_function,
+)
 
 STATUSES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
 VERDICTS = ("qualified", "not qualified", "partial", "interrupted")
@@ -164,154 +173,7 @@ def describe_uncovered(entry: Mapping[str, Any]) -> str:
     return f"{where} ({counted}; {how}: {entry['reason']})"
 
 
-# --- what failed, by control ---------------------------------------------------------
-
-_SHOWN_PARAMS = 3  # parametrisations named per test before "+N more"
-_SHOWN_TESTS = 6  # tests named per kind of note before "and N more tests"
-
-
-def test_function(nodeid: str) -> str:
-    """``.../test_layout.py::test_kv_l8_alias[TORCH_SDPA]`` -> ``test_kv_l8_alias``."""
-    return nodeid.rpartition("::")[2].partition("[")[0]
-
-
-def _params(nodeid: str) -> str:
-    return nodeid.rpartition("::")[2].partition("[")[2].removesuffix("]")
-
-
-def not_a_fix(results: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
-    """Each xpass (a known finding's test that passed) whose neighbouring control failed,
-    with those controls' nodeids: a pass is a fix only while its controls hold.
-
-    The controls come from the clause table (``Check.controls``); a control's result
-    counts for the same backend (or need), case and layout, and a test that is its own
-    control counts its other parametrisations (KV-L6's other need).
-    """
-    names = clauses.check_names()
-    by_test: dict[str, list[Mapping[str, Any]]] = {}
-    for r in results:
-        by_test.setdefault(test_function(str(r["nodeid"])), []).append(r)
-    found: dict[str, list[str]] = {}
-    for r in results:
-        if r.get("status") != "xpassed":
-            continue
-        test = test_function(str(r["nodeid"]))
-        check = names.get(test)
-        for control in check[1].controls if check is not None else ():
-            for other in by_test.get(control, []):
-                if (other["nodeid"] == r["nodeid"] or other.get("status") not in
-                        ("failed", "error") or other.get("case") != r.get("case")
-                        or other.get("layout") != r.get("layout")
-                        or (control != test and other.get("backend") != r.get("backend"))):
-                    continue
-                found.setdefault(str(r["nodeid"]), []).append(str(other["nodeid"]))
-    return found
-
-
-def _named(results: Sequence[Mapping[str, Any]], *, why: Mapping[str, str] | None = None) -> str:
-    """``KV-L8 test_kv_l8_alias[TORCH_SDPA, FLASH_ATTN, +8 more]``, one per test."""
-    tests: dict[str, list[Mapping[str, Any]]] = {}
-    for r in results:
-        tests.setdefault(test_function(str(r["nodeid"])), []).append(r)
-    parts = []
-    for test, rows in list(tests.items())[:_SHOWN_TESTS]:
-        params = [_params(str(r["nodeid"])) for r in rows]
-        shown = ", ".join(p for p in params[:_SHOWN_PARAMS] if p)
-        if len(params) > _SHOWN_PARAMS:
-            shown += f", +{len(params) - _SHOWN_PARAMS} more"
-        text = f"{rows[0].get('clause')} {test}" + (f"[{shown}]" if shown else "")
-        if why is not None and why.get(str(rows[0]["nodeid"])):
-            text += f" ({why[str(rows[0]['nodeid'])]})"
-        parts.append(text)
-    if len(tests) > _SHOWN_TESTS:
-        parts.append(f"and {len(tests) - _SHOWN_TESTS} more tests")
-    return ", ".join(parts)
-
-
 _FAILED = ("failed", "error")
-
-
-def dependents(results: Iterable[Mapping[str, Any]]) -> dict[str, str]:
-    """nodeid -> the root clause it depends on, for each failure of a backend whose
-    declaration (:data:`~pytest_kvconform.contract.clauses.ROOT_CLAUSE`) failed.
-
-    Every other result of a backend uses its declaration, so those failures follow from
-    it: reported under it, not beside it.
-    """
-    results = list(results)
-    root = clauses.ROOT_CLAUSE
-    broken = {r.get("backend") for r in results if _declaration_failed(r)}
-    return {str(r["nodeid"]): root for r in results
-            if r.get("backend") in broken and r.get("clause") != root
-            and r.get("status") == "failed"}
-
-
-def _declaration_failed(result: Mapping[str, Any]) -> bool:
-    """A backend's declaration failed (a harness error there is the harness's, not it)."""
-    return (result.get("clause") == clauses.ROOT_CLAUSE and result.get("status") == "failed"
-            and bool(result.get("backend")))
-
-
-def with_dependencies(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The results, each failure that follows from a failed declaration naming it
-    (``depends_on``)."""
-    results = list(results)
-    found = dependents(results)
-    return [{**r, "depends_on": found.get(str(r["nodeid"]))} for r in results]
-
-
-def _root_notes(results: Sequence[Mapping[str, Any]], found: Mapping[str, str]) -> list[str]:
-    """``MY_ATTN: KV-L1 failed (root cause): test_kv_l1[MY_ATTN]; 28 results depend on it:
-    ...``, one per backend whose declaration failed."""
-    notes = []
-    root = clauses.ROOT_CLAUSE
-    for backend in sorted({str(r["backend"]) for r in results if _declaration_failed(r)}):
-        mine = [r for r in results if r.get("backend") == backend]
-        roots = [r for r in mine if _declaration_failed(r)]
-        deps = [r for r in mine if r["nodeid"] in found]
-        text = f"{backend}: {root} failed (root cause): {_named(roots)}"
-        if deps:
-            text += (f"; {len(deps)} result{'s' if len(deps) != 1 else ''} depend on it: "
-                     + _named(deps))
-        notes.append(text)
-    return notes
-
-
-def result_notes(results: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The results that speak against qualification, by control (suite test): a failed
-    declaration with what depends on it first, then failures (a known finding's test
-    failing another way named so), xpasses that are no fix because a neighbouring control
-    failed, and xpasses (a known finding now passes)."""
-    found = dependents(results)
-    notes = _root_notes(results, found)
-    rest = [r for r in results if r["nodeid"] not in found and not _declaration_failed(r)]
-    notes += _plain_notes(results, rest)
-    return notes
-
-
-def _plain_notes(results: Sequence[Mapping[str, Any]],
-                 rest: Sequence[Mapping[str, Any]]) -> list[str]:
-    notes = []
-    differs = [r for r in rest if r.get("status") == "failed" and r.get("xfail")]
-    for entry in sorted({str(r["xfail"]) for r in differs}):
-        notes.append(f"differs from known finding {entry}: "
-                     + _named([r for r in differs if r["xfail"] == entry]))
-    failed = [r for r in rest if r.get("status") == "failed" and not r.get("xfail")
-              and not r.get("seeded_fault")]
-    if failed:
-        notes.append("failed: " + _named(failed))
-    broken = not_a_fix(results)
-    if broken:
-        why = {n: "its control " + ", ".join(f"{test_function(c)}[{_params(c)}]" for c in cs)
-               + " failed" for n, cs in broken.items()}
-        notes.append("passes, but no fix of its known finding: " +
-                     _named([r for r in rest if r["nodeid"] in broken], why=why))
-    fixed = [r for r in rest if r.get("status") == "xpassed" and r["nodeid"] not in broken]
-    if fixed:
-        notes.append("xpassed (a known finding no longer fails: remove its entry): "
-                     + _named(fixed))
-    return notes
-
 
 # The keys of one ``startup_failures`` entry, in the order they are written.
 STARTUP_FAILURE_KEYS = ("plugin", "group", "distribution", "error")
@@ -440,7 +302,8 @@ def in_scope(results: Sequence[Mapping[str, Any]],
              scope: Sequence[str] | None) -> list[Mapping[str, Any]]:
     """The results a verdict is judged on: all of them for a whole deployment; for a
     backend-scoped run, the named backends' ``backend`` results, and the failures of the
-    stack's guards on them that follow from a failed declaration (:func:`dependents`)."""
+    stack's guards on them that follow from a failed declaration
+    (:func:`~pytest_kvconform.report.result_notes.dependents`)."""
     if scope is None:
         return list(results)
     found = dependents(results)
@@ -507,12 +370,12 @@ def stack_text(results: Sequence[Mapping[str, Any]]) -> str:
     if rec["regressions"]:
         n = len(rec["regressions"])
         notes.append(f"{n} regression{'s' if n != 1 else ''} no known finding describes: "
-                     + _named([by_id[i] for i in rec["regressions"]]))
+                     + named_tests([by_id[i] for i in rec["regressions"]]))
     else:
         notes.append("no regression")
     if rec["fixed"]:
         notes.append("known findings that no longer fail (remove their entries): "
-                     + _named([by_id[i] for i in rec["fixed"]]))
+                     + named_tests([by_id[i] for i in rec["fixed"]]))
     return ", ".join(notes)
 
 

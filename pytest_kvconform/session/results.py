@@ -10,44 +10,38 @@ the selection and, as mappings, handed to ``report/build.py`` for the terminal m
 verdict and the report files.  A run interrupted before its session started (Ctrl-C
 while plugins and vllm-omni load) is judged there and then: pytest calls no
 ``pytest_sessionfinish`` for it.
+
+What a row is lives in :mod:`~pytest_kvconform.session.result_rows`; which known finding
+declares an outcome, in :mod:`~pytest_kvconform.session.xfail_outcomes`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 import uuid
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pytest_kvconform.adapters import run_env
-from pytest_kvconform.contract.clauses import ROOT_CLAUSE, clause_from_test_name, subject_of
+from pytest_kvconform.contract.clauses import ROOT_CLAUSE
 from pytest_kvconform.contract.outcome_rule import ERROR_KIND_PROPERTY, harness_kind
-from pytest_kvconform.contract.outcomes import (
-    ClauseFailure,
-    ErrorKind,
-    bracketed,
-    describe_error,
-)
-from pytest_kvconform.contract.records import (
-    SEEDED_FAULT_PROPERTY,
-    SKIP_KIND_PROPERTY,
-    VIA_PROPERTY,
-    ResultRow,
-)
+from pytest_kvconform.contract.outcomes import ErrorKind, bracketed
+from pytest_kvconform.contract.records import SEEDED_FAULT_PROPERTY, ResultRow
 from pytest_kvconform.session.options import Options
-from pytest_kvconform.session.selection import SUITE_DIR, XFAIL_PROPERTY, KvSelection
+from pytest_kvconform.session.result_rows import prefix_crash, properties_from_id, result_row
+from pytest_kvconform.session.selection import SUITE_DIR, KvSelection
 from pytest_kvconform.session.worker_output import KvWorkerOutput
+from pytest_kvconform.session.xfail_outcomes import (
+    failure_problems,
+    known_error,
+    known_failure,
+    known_skip,
+)
 from pytest_kvconform.workers.worker_log import WORKER_LOG_KEY
-
-# How pytest prefixes a ClauseFailure's message in a crash line.
-_FAILURE_PREFIX = f"{ClauseFailure.__module__}.{ClauseFailure.__qualname__}: "
-# How pytest words a strict xfail's pass (its longrepr).
-XPASS_STRICT = "[XPASS(strict)] "
 
 
 class KvResults:
@@ -111,7 +105,7 @@ class KvResults:
             return report
         self._mark_seeded_fault(item, report)
         if report.skipped and getattr(report, "wasxfail", None) is None:
-            self._known_skip(item, report)
+            known_skip(report, self.selection.item_entries.get(item.nodeid, []))
             _skip_at_suite_id(report)
             return report
         if call.excinfo is None:
@@ -133,16 +127,11 @@ class KvResults:
                 report.user_properties.append((ERROR_KIND_PROPERTY, kind))
             else:
                 kind = None  # a skip raised by a fixture is a skip
+        entries = self.selection.item_entries.get(item.nodeid, [])
         if kind is not None and getattr(report, "wasxfail", None) is not None:
-            entries = self.selection.item_entries.get(item.nodeid, [])
-            found = next((e for e in entries if e.absorbs_error(kind)), None)
-            if found is None:
-                report.outcome = "failed"
-                del report.wasxfail
-            else:
-                _declared_by(report, found)
+            known_error(report, entries, kind)
         elif getattr(report, "wasxfail", None) is not None and call.excinfo is not None:
-            self._known_failure(item, report, _problems(call.excinfo.value))
+            known_failure(report, entries, failure_problems(call.excinfo.value))
         if report.failed:
             self._depends_on_declaration(item, report)
         return report
@@ -157,35 +146,7 @@ class KvResults:
         note = f"depends on {ROOT_CLAUSE}, which failed for {backend}"
         report.sections.append(("kvconform: root cause", f"{note}: its other results use the "
                                 "declaration, so fix that first"))
-        _prefix_crash(report, note)
-
-    # A known finding absorbs only the outcome it describes: the one place that decides.
-
-    def _known_failure(self, item: pytest.Item, report: pytest.TestReport,
-                       problems: tuple[str, ...]) -> None:
-        """An xfail stands only when an entry naming the test describes this failure;
-        else the test fails, naming the entry it differs from."""
-        entries = self.selection.item_entries.get(item.nodeid, [])
-        found = next((e for e in entries if e.describes_failure(problems)), None)
-        if found is not None:
-            _declared_by(report, found)
-            return
-        report.outcome = "failed"
-        del report.wasxfail
-        _differs(report, entries[0] if entries else None)
-
-    def _known_skip(self, item: pytest.Item, report: pytest.TestReport) -> None:
-        """A skip is declared only by an entry that describes it (its kind and reason):
-        any other stays a plain skip, which strict mode judges by the clause table."""
-        entries = self.selection.item_entries.get(item.nodeid, [])
-        props = dict(report.user_properties)
-        kind = props.get(SKIP_KIND_PROPERTY)
-        found = next((e for e in entries if e.describes_skip(kind, _skip_reason(report))), None)
-        if found is not None:
-            _declared_by(report, found)
-        else:
-            report.user_properties = [(k, v) for k, v in report.user_properties
-                                      if k != XFAIL_PROPERTY]
+        prefix_crash(report, note)
 
     def _mark_seeded_fault(self, item: pytest.Item, report: pytest.TestReport) -> None:
         """Commands went to the KV-A workers under a seeded fault during this test: its
@@ -439,63 +400,6 @@ def _seeded_faults(results: Sequence[dict[str, Any]]) -> list[str]:
     return sorted(f for f in faults if f)
 
 
-def properties_from_id(nodeid: str, *, backends: Iterable[str], layouts: Iterable[str],
-                       cases: Iterable[str], device: str) -> list[tuple[str, Any]] | None:
-    """A suite test's properties read back from its id (``test_kv_a2[B-bf16_h8]``): the
-    clause from its name, then its parameters in the suite's order (backend or need,
-    layout, case), each matched against the known values.  None for other tests."""
-    name = nodeid.rpartition("::")[2]
-    clause = clause_from_test_name(name)
-    if clause is None:
-        return None
-    params = name.partition("[")[2].removesuffix("]")
-    found: dict[str, str | None] = {"kv_backend": None, "kv_layout": None, "kv_case": None}
-    known = (("kv_backend", {*backends, "need_False", "need_True"}), ("kv_layout", set(layouts)),
-             ("kv_case", set(cases)))
-    for key, values in known:
-        for value in sorted(values, key=len, reverse=True):  # the longest of two prefixes
-            if params == value or params.startswith(value + "-"):
-                found[key] = value
-                params = params[len(value) + 1:]
-                break
-    return [("kv_clause", clause), *found.items(), ("kv_device", device)]
-
-
-def _problems(exc: BaseException) -> tuple[str, ...]:
-    """What a failure reports, one problem each: a clause failure's, or the escaped
-    exception's ``Type: message``."""
-    if isinstance(exc, ClauseFailure):
-        return tuple(exc.problems)
-    return (describe_error(exc),)
-
-
-def _skip_reason(report: pytest.TestReport) -> str:
-    if isinstance(report.longrepr, tuple):
-        return str(report.longrepr[2]).removeprefix("Skipped: ")
-    return str(report.longrepr or "")
-
-
-def _declared_by(report: pytest.TestReport, entry: Any) -> None:
-    """The report names the entry that describes its outcome (not only the first)."""
-    from pytest_kvconform.session.xfails import xfail_reason
-
-    report.user_properties = [(k, v) for k, v in report.user_properties if k != XFAIL_PROPERTY]
-    report.user_properties.append((XFAIL_PROPERTY, entry.describe()))
-    if getattr(report, "wasxfail", None) is not None:
-        report.wasxfail = xfail_reason(entry)
-
-
-def _differs(report: pytest.TestReport, entry: Any) -> None:
-    """Name, on a failed report, the known finding its failure is not: in the crash line
-    (the short summary, the report's reason) and in a section of its own."""
-    if entry is None:
-        return
-    note = (f"differs from known finding {entry.describe()} (it expects "
-            f"{entry.expectation()})")
-    report.sections.append(("kvconform: known finding", f"{note}: {entry.reason}"))
-    _prefix_crash(report, note)
-
-
 def _skip_at_suite_id(report: pytest.TestReport) -> None:
     """A suite test's skip is located by its id's file (``kvconform/test_layout.py:65``),
     as its id reads, not by the installed file's path (a site-packages one in ``-rs``)."""
@@ -504,66 +408,4 @@ def _skip_at_suite_id(report: pytest.TestReport) -> None:
         if Path(path).parent == SUITE_DIR:
             report.longrepr = (report.nodeid.partition("::")[0], line, reason)
 
-
-def _prefix_crash(report: pytest.TestReport, note: str) -> None:
-    """``note`` before a failure's crash line (the short summary, the report's reason)."""
-    crash = getattr(report.longrepr, "reprcrash", None)
-    if crash is not None:
-        report.longrepr.reprcrash = dataclasses.replace(  # type: ignore[union-attr]
-            crash, message=f"{note}: {crash.message.removeprefix(_FAILURE_PREFIX)}")
-    else:
-        report.longrepr = f"{note}: {report.longrepr}"
-
-
-def result_row(report: pytest.TestReport) -> ResultRow | None:
-    """One result row, from the report of a suite test's phase; None for other tests
-    and for phases that add nothing (a passing setup or teardown)."""
-    props: dict[str, Any] = dict(report.user_properties)
-    if "kv_clause" not in props:
-        return None
-    wasxfail = getattr(report, "wasxfail", None)
-    error_kind = props.get(ERROR_KIND_PROPERTY)
-    if report.when == "call":
-        if wasxfail is not None:
-            status = "xfailed" if report.skipped else "xpassed"
-        elif report.failed and str(report.longrepr).startswith(XPASS_STRICT):
-            status = "xpassed"  # strict: pytest fails it; the report keeps what it is
-        elif report.failed and error_kind is not None:
-            status = "error"  # the harness failed here, not the backend
-        else:
-            status = report.outcome
-    elif report.failed:
-        status = "error"
-    elif report.skipped and report.when == "setup":
-        status = "xfailed" if wasxfail is not None else "skipped"
-    else:
-        return None
-    reason = ""
-    if status == "skipped" and isinstance(report.longrepr, tuple):
-        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
-    elif status == "xpassed" and wasxfail is None:
-        reason = str(report.longrepr)
-    elif status in ("failed", "error"):
-        crash = getattr(report.longrepr, "reprcrash", None)
-        reason = crash.message if crash is not None else str(report.longrepr)
-        reason = reason.removeprefix(_FAILURE_PREFIX)
-    elif wasxfail is not None:
-        reason = str(wasxfail).removeprefix("reason: ")
-    return ResultRow(
-        nodeid=report.nodeid,
-        backend=props.get("kv_backend"),
-        clause=props["kv_clause"],
-        case=props.get("kv_case"),
-        layout=props.get("kv_layout"),
-        device=props.get("kv_device"),
-        status=status,
-        reason=reason,
-        duration_s=round(report.duration, 4),
-        skip_kind=props.get(SKIP_KIND_PROPERTY),
-        xfail=props.get(XFAIL_PROPERTY),
-        error_kind=error_kind if status in ("error", "xfailed") else None,
-        via=props.get(VIA_PROPERTY),
-        seeded_fault=props.get(SEEDED_FAULT_PROPERTY),
-        subject=subject_of(report.nodeid.rpartition("::")[2].partition("[")[0]),
-    )
 
