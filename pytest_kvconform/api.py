@@ -140,6 +140,7 @@ def check_backend(
     Bad input (an unknown clause, case or backend name, a bad device) raises one
     ValueError naming it; a failing check never raises, it is a result.
     """
+    import pytest_kvconform.faults  # noqa: F401  (installs the seeded-fault hook, as a run does)
     from pytest_kvconform.adapters import omni_plugins
 
     if plugins not in ("production", "none"):

@@ -274,7 +274,7 @@ class _GrabReport:
 def _cmd_selftest(args: argparse.Namespace) -> int:
     """Seed each known production fault in a fresh process and check the suite catches it
     (``pytest_kvconform/selftest/``); the account on stdout, progress on stderr."""
-    from pytest_kvconform.adapters import fault_registry
+    from pytest_kvconform.faults import registry as fault_registry
 
     try:
         faults = fault_registry.select(args.fault)

@@ -7,7 +7,7 @@ be: in the installed source.  :func:`overlay` writes a ``sitecustomize.py`` that
 every Python process started with the overlay on ``PYTHONPATH`` (the pytest run, its
 KV-A workers' fork server and the workers it forks, the ranks production's executor
 spawns), compiles the target module from its installed source with one statement of one
-function rewritten, as ``adapters/seeds.py`` rewrites production's callers.  Nothing of
+function rewritten, as ``faults/worker_faults.py`` rewrites production's callers.  Nothing of
 the package knows about it; the installed files are not touched.
 
 A rewrite that finds nothing to rewrite raises at import (the run fails loudly rather

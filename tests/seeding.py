@@ -2,7 +2,7 @@
 
 A fault is planted in this process, for one test, where production looks the name up
 at call time (a module or class attribute), with the test's ``monkeypatch``: one of the
-package's own (``pytest_kvconform/adapters/plants.py``, which ``kvconform selftest``
+package's own (``pytest_kvconform/faults/plants.py``, which ``kvconform selftest``
 seeds too), or one a test writes for itself; inline
 pytester runs (``kv_run``) and in-process checks share the process, so the fault is
 live for them and undone after the test.  Worker faults travel to spawned KV-A workers
@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import plants
 from pytest_kvconform.contract.clauses import clause_from_test_name
+from pytest_kvconform.faults import plants
 from pytest_kvconform.workers import protocol
 
 
@@ -60,7 +60,7 @@ class Seeder:
         self._monkeypatch.setattr(owner, name, make(getattr(owner, name)))
 
     def plant(self, patches: Sequence[plants.Patch]) -> None:
-        """Plant one of the package's faults (``adapters/plants.py``) for this test."""
+        """Plant one of the package's faults (``faults/plants.py``) for this test."""
         for holder, name, value in plants.replacements(patches):
             self._monkeypatch.setattr(holder, name, value)
 

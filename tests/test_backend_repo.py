@@ -53,7 +53,7 @@ BACKEND_REPO = {
             """Stands in for an upstream regression no shipped finding describes (the
             suite's own test of itself: a real repository has no such hook)."""
             if os.environ.get("SEED_STACK_REGRESSION"):
-                from pytest_kvconform.adapters import plants
+                from pytest_kvconform.faults import plants
 
                 for holder, name, value in plants.replacements(plants.HAND_STRIDES):
                     setattr(holder, name, value)

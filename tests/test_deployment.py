@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import engine, executor_wire, seeds
+from pytest_kvconform.adapters import (
+    entry_points,
+    executor_wire,
+    fault_hook,
+    source_rewrite,
+)
+from pytest_kvconform.faults import worker_faults
 from pytest_kvconform.workers import deployment
 from tests.conftest import needs_omni
 
@@ -63,18 +69,19 @@ def test_the_pipe_executor_sends_the_multiproc_envelope_and_gathers_as_its_worke
 
 
 def test_a_result_names_the_entry_point_that_ran() -> None:
-    runner = engine.EntryPoint(engine.RUNNER, why_not_executor="import x fails")
-    assert runner.chain(engine.UNI) == (
+    runner = entry_points.EntryPoint(entry_points.RUNNER, why_not_executor="import x fails")
+    assert runner.chain(entry_points.UNI) == (
         "DiffusionModelRunner.set_kv_cache_config -> "
         "DiffusionKVModelRunnerBackend.initialize_kv_cache (DiffusionWorker and the "
         "executors cannot run here: import x fails)")
-    assert engine.EntryPoint(engine.EXECUTOR).chain(engine.MP).startswith(
+    assert entry_points.EntryPoint(entry_points.EXECUTOR).chain(entry_points.MP).startswith(
         "MultiprocDiffusionExecutor -> DiffusionWorker.set_kv_cache_configs -> ")
-    assert engine.EntryPoint(engine.EXECUTOR).chain(engine.UNI).startswith(
+    assert entry_points.EntryPoint(entry_points.EXECUTOR).chain(entry_points.UNI).startswith(
         "UniProcDiffusionExecutor -> ")
-    assert "nothing" in engine.EntryPoint("", why_not_runner="no platform").chain(engine.UNI)
-    limited = engine.EntryPoint(engine.EXECUTOR, unmeasured="no accelerator for cpu")
-    assert limited.chain(engine.MP) == (
+    nothing = entry_points.EntryPoint("", why_not_runner="no platform")
+    assert "nothing" in nothing.chain(entry_points.UNI)
+    limited = entry_points.EntryPoint(entry_points.EXECUTOR, unmeasured="no accelerator for cpu")
+    assert limited.chain(entry_points.MP) == (
         "MultiprocDiffusionExecutor -> DiffusionWorker.set_kv_cache_configs -> "
         "DiffusionModelRunner.set_kv_cache_config -> "
         "DiffusionKVModelRunnerBackend.initialize_kv_cache (DiffusionWorker's constructor "
@@ -82,16 +89,16 @@ def test_a_result_names_the_entry_point_that_ran() -> None:
         "snapshot unmeasured, its one accelerator step, and the configured KV budget)")
 
 
-@pytest.mark.parametrize("fault", sorted(set(seeds.REGRESSIONS) - {"shared_cache_config"}))
+@pytest.mark.parametrize("fault", sorted(set(worker_faults.REGRESSIONS) - {"shared_cache_config"}))
 def test_each_regression_rewrites_a_statement_of_the_installed_production_code(
         fault: str) -> None:
-    reason = seeds.applicable(fault)
+    reason = worker_faults.applicable(fault)
     if reason is not None:
         pytest.skip(f"{fault}: {reason}")
-    regression = seeds.REGRESSIONS[fault]
-    owner, name = seeds._owner(regression.target)
+    regression = worker_faults.REGRESSIONS[fault]
+    owner, name = source_rewrite.owner(regression.target)
     original = vars(owner)[name]
-    with seeds.regression(fault):
+    with source_rewrite.applied([regression]):
         rewritten = vars(owner)[name]
         assert rewritten is not original
         assert rewritten.__qualname__ == original.__qualname__
@@ -103,14 +110,15 @@ def test_a_regression_whose_statement_is_gone_says_so() -> None:
     def initialize_kv_cache(self: Any) -> None:
         return None
 
-    with pytest.raises(seeds.SeedError, match="no longer has the statement"):
-        seeds._rewritten(initialize_kv_cache, {"skip_adoption"}, "X.initialize_kv_cache")
+    with pytest.raises(source_rewrite.SeedError, match="no longer has the statement"):
+        source_rewrite.rewritten(initialize_kv_cache, [worker_faults.REGRESSIONS["skip_adoption"]],
+                                 "X.initialize_kv_cache")
 
 
 def test_an_unknown_fault_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(seeds.ENV, "skip_adoption,skip_adoptoin")
+    monkeypatch.setenv(fault_hook.FAULT_ENV, "skip_adoption,skip_adoptoin")
     with pytest.raises(ValueError, match="'skip_adoption,skip_adoptoin' is not a known"):
-        seeds.active()
-    monkeypatch.setenv(seeds.ENV, "assert_layer_backends, skip_layer_assertion")
-    assert seeds.names(seeds.active()) == ("assert_layer_backends",
+        fault_hook.active()
+    monkeypatch.setenv(fault_hook.FAULT_ENV, "assert_layer_backends, skip_layer_assertion")
+    assert fault_hook.names(fault_hook.active()) == ("assert_layer_backends",
                                                         "skip_layer_assertion")

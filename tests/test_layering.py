@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("adapters", ("adapters", "adapters.*")),
     ("workers", ("workers", "workers.*")),
     ("checks", ("checks", "checks.*")),
+    ("faults", ("faults", "faults.*")),
     ("report", ("report", "report.*")),
     ("session", ("session", "session.*")),
     ("crossversion", ("crossversion", "crossversion.*")),
@@ -173,3 +174,25 @@ def test_seeded_current_test_global_is_reported() -> None:
     seeded = "_running = None\n\ndef running(test):\n    global _running\n    _running = test\n"
     assert current_test_globals({"pytest_kvconform.workers.pool": seeded}) == [
         "pytest_kvconform.workers.pool: _running"]
+
+
+# ------------------------------------------------------------------ the seeded-fault package
+
+
+def imports_of_faults(sources: dict[str, str]) -> list[str]:
+    """``module -> faults.x`` for each import of the seeded-fault package from workers/ or
+    adapters/ (they offer ``adapters/fault_hook.py`` instead), lazy ones included."""
+    names = set(sources)
+    return sorted(f"{m} -> {d}" for m, src in sources.items()
+                  if m.split(".")[0] in ("workers", "adapters")
+                  for d in imports_of(src, names) if d.split(".")[0] == "faults")
+
+
+def test_the_mechanism_layers_import_nothing_of_the_seeded_faults() -> None:
+    assert imports_of_faults(package_modules()) == []
+
+
+def test_seeded_fault_import_from_a_worker_is_reported() -> None:
+    sources = package_modules()
+    sources["workers.child"] += "\n\ndef _f():\n    from pytest_kvconform.faults import hook\n"
+    assert imports_of_faults(sources) == ["workers.child -> faults.hook"]

@@ -6,7 +6,7 @@ a stride clause KV-S6 ("layer and block strides are positive and distinct"):
 1. ``contract.md``: the clause's text, after KV-S5;
 2. ``contract/clauses.py``: its row in ``CLAUSES``;
 3. ``checks/strides.py``: ``check_kv_s6``;
-4. ``adapters/plants.py``: its seeded fault, one ``declare`` (``layer_stride`` set to
+4. ``faults/plants.py``: its seeded fault, one ``declare`` (``layer_stride`` set to
    ``block_stride``).
 
 With the copy first on ``PYTHONPATH``, in fresh processes (run side by side):
@@ -88,7 +88,7 @@ EQUAL_STRIDES = declare(
     "equal_strides", ("KV-S6",), "build_kv_cache_tensor gives the layers the block stride",
     Patch(BUILD_TENSOR, _equal_strides))
 '''
-EDITED = ("contract.md", "contract/clauses.py", "checks/strides.py", "adapters/plants.py")
+EDITED = ("contract.md", "contract/clauses.py", "checks/strides.py", "faults/plants.py")
 
 
 def _edit(path: Path, old: str, new: str) -> None:
@@ -106,7 +106,7 @@ def copy_with_new_clause(root: Path) -> Path:
     _edit(package / "contract" / "clauses.py", S5_ROW, S5_ROW + ROW)
     strides = package / "checks" / "strides.py"
     strides.write_text(strides.read_text(encoding="utf-8") + CHECK, encoding="utf-8")
-    plants = package / "adapters" / "plants.py"
+    plants = package / "faults" / "plants.py"
     plants.write_text(plants.read_text(encoding="utf-8") + FAULT, encoding="utf-8")
     return root
 

@@ -1,7 +1,7 @@
 """Seeded faults for the KV-A clauses: each must turn its clause red, and only then.
 
 KV-A runs production's engine in KV-A worker processes, so a fault reaches it
-through ``$KVCONFORM_WORKER_FAULT`` (``seed.worker_fault``; ``seeds.py``), which
+through ``$KVCONFORM_WORKER_FAULT`` (``seed.worker_fault``; ``faults/worker_faults.py``), which
 every process hosting production applies, never through monkeypatching this
 process.  The worker-side faults rewrite production's callers the way a regression
 would (``DiffusionKVModelRunnerBackend.initialize_kv_cache``,
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import seeds
+from pytest_kvconform.faults import worker_faults
 from pytest_kvconform.workers import pool as workers
 from tests.conftest import needs_omni
 from tests.seeding import Seeder, expect_run
@@ -34,7 +34,7 @@ CONTRADICTION = ("*KV-A4 violated*allocated it: DiffusionKVModelRunnerBackend.in
 
 
 def _runs_here(fault: str) -> None:
-    reason = seeds.applicable(fault)
+    reason = worker_faults.applicable(fault)
     if reason is not None:
         pytest.skip(f"seeded fault {fault!r} cannot run on this host: {reason}")
 
@@ -167,7 +167,7 @@ def test_uniproc_never_stamped_configs_fail_kv_a1_a3_and_a4(seed: Seeder, kv_run
                                  "*KV-A4 violated*adopted None without the disagreement error*"],
                                 consecutive=False)
     result.stdout.fnmatch_lines(["kvconform: KV-A worker path: *UniProcDiffusionExecutor*"
-                                 if seeds.applicable("other_rank_config") is None else
+                                 if worker_faults.applicable("other_rank_config") is None else
                                  "kvconform: KV-A worker path: DiffusionModelRunner*"])
 
 

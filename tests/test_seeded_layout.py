@@ -2,7 +2,7 @@
 
 Every fault is planted with ``seed`` (``tests/seeding.py``) where production looks the
 name up (a module attribute read at call time): the package's own faults
-(``adapters/plants.py``, which ``kvconform selftest`` seeds too), or this file's; or it is
+(``faults/plants.py``, which ``kvconform selftest`` seeds too), or this file's; or it is
 a stand-in backend registered through the plugin's own hook.  The unpatched selection is
 run too, so no clause fails by construction.
 """
@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import plants, seam_backends
+from pytest_kvconform.adapters import seam_backends
+from pytest_kvconform.faults import plants
 from tests import standin_backends as sb
 from tests.conftest import needs_omni
 from tests.seeding import Seeder, backend_args, expect_run, register_backends

@@ -3,7 +3,7 @@
 The suite runs inline, in this process, so a fault planted with ``seed``
 (``tests/seeding.py``; on the module attribute production reads at call time) is
 live for the run and undone after it.  The faults are the package's
-(``adapters/plants.py``), which ``kvconform selftest`` seeds too.  The unpatched
+(``faults/plants.py``), which ``kvconform selftest`` seeds too.  The unpatched
 selection runs too, so no clause fails by construction.  KV-N3 restates KV-N2's
 numbers under an override, so a fault in the shared sizing path fails both, on purpose.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import plants
+from pytest_kvconform.faults import plants
 from tests.conftest import needs_omni
 from tests.seeding import Seeder, expect_run, literal
 

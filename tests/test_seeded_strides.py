@@ -1,6 +1,6 @@
 """Seeded faults in production stride code: each fails exactly its KV-S clause.
 
-Each fault is one of the package's (``adapters/plants.py``, which ``kvconform selftest``
+Each fault is one of the package's (``faults/plants.py``, which ``kvconform selftest``
 seeds too), planted with ``seed`` (``tests/seeding.py``) where production code looks the
 function up; the same selection without the fault must pass, so no clause fails by
 construction.
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import plants
+from pytest_kvconform.faults import plants
 from tests.conftest import needs_omni
 from tests.seeding import Seeder, expect_run
 

@@ -16,12 +16,14 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import fault_registry, paged_standins, plants, seeds
-from pytest_kvconform.adapters.fault_registry import REGISTRY, Fault
+from pytest_kvconform.adapters import paged_standins
 from pytest_kvconform.api import CheckResult
 from pytest_kvconform.cli import build_parser, main
 from pytest_kvconform.contract import clauses
 from pytest_kvconform.contract.outcomes import ErrorKind
+from pytest_kvconform.faults import plants, worker_faults
+from pytest_kvconform.faults import registry as fault_registry
+from pytest_kvconform.faults.registry import REGISTRY, Fault
 from pytest_kvconform.selftest import catches, runner
 from tests.conftest import needs_omni
 from tests.seeding import Seeder
@@ -84,9 +86,10 @@ def test_exit_status_counts_seedable_faults_only() -> None:
 
 
 def test_every_worker_side_production_fault_is_registered() -> None:
-    """Every regression and corruption ``seeds.py`` can seed is a selftest fault."""
+    """Every regression and corruption ``faults/worker_faults.py`` can seed is a selftest
+    fault."""
     registered = {f.worker for f in REGISTRY.values() if f.worker is not None}
-    assert registered == {*seeds.REGRESSIONS, *seeds.CORRUPTIONS}
+    assert registered == {*worker_faults.REGRESSIONS, *worker_faults.CORRUPTIONS}
 
 
 def test_every_planted_fault_is_registered() -> None:
@@ -108,7 +111,7 @@ def test_each_fault_has_one_seed_real_clauses_and_a_known_backend() -> None:
         assert (fault.worker is None) != (not fault.patches), fault.name
         assert [clauses.clause(c).id for c in fault.clauses] == list(fault.clauses)
         assert fault.backend in backends, fault.name
-        assert set(fault.beside) <= set(seeds.CORRECTIONS), fault.name
+        assert set(fault.beside) <= set(worker_faults.CORRECTIONS), fault.name
         assert fault.what, fault.name
 
 
@@ -146,7 +149,8 @@ def test_a_regression_whose_statement_is_gone_is_unseedable(seed: Seeder) -> Non
                  "DiffusionKVModelRunnerBackend.initialize_kv_cache", initialize_kv_cache)
     assert REGISTRY["skip_adoption"].unseedable() == (
         "seeded fault skip_adoption: DiffusionKVModelRunnerBackend.initialize_kv_cache no "
-        "longer has the statement the regression rewrites; update adapters/seeds.py")
+        "longer has the statement the regression rewrites; update its rewrite (no longer "
+        "adopts the control plane's layout)")
 
 
 @needs_omni

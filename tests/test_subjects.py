@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import plants
+from pytest_kvconform.faults import plants
 from pytest_kvconform.report.verdict import EXIT_STACK_REGRESSED
 from tests.backend_repo_files import SDPA_BACKENDS
 from tests.conftest import needs_omni

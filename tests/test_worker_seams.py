@@ -132,12 +132,12 @@ def test_kv_a_on_a_torch_whose_accelerator_the_device_does_not_match_fails_nothi
     import torch
 
     from pytest_kvconform import api
-    from pytest_kvconform.adapters import engine
+    from pytest_kvconform.adapters import entry_points
 
     current = torch.accelerator.current_accelerator()
-    if current is None or engine.entry_point().level != engine.EXECUTOR:
+    if current is None or entry_points.entry_point().level != entry_points.EXECUTOR:
         pytest.skip("this torch reports no accelerator, or production's DiffusionWorker does "
-                    f"not import here ({engine.entry_point().why_not_executor}): the "
+                    f"not import here ({entry_points.entry_point().why_not_executor}): the "
                     "mismatch this test is about needs the registry's torch build")
     assert current.type == "cuda" and not torch.accelerator.is_available()
     results = api.check_backend("FLASH_ATTN", cases=["bf16_h8", "ws2"],

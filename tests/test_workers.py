@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytest_kvconform.adapters import seeds
+from pytest_kvconform.adapters import fault_hook
 from pytest_kvconform.adapters.worker_extension import page_pattern
+from pytest_kvconform.faults import pid_marking, worker_faults
 from pytest_kvconform.workers import fault_tally, forkserver, policy, protocol
 from pytest_kvconform.workers import handle as handle_mod
 from pytest_kvconform.workers import pool as workers
@@ -197,12 +198,26 @@ def test_active_fault_is_validated_and_names_the_variable(
     assert fault_tally.active_fault() is None
     monkeypatch.setenv(protocol.FAULT_ENV, "")
     assert fault_tally.active_fault() is None
-    for fault in protocol.FAULTS:
+    for fault in worker_faults.FAULTS:
         monkeypatch.setenv(protocol.FAULT_ENV, fault)
         assert fault_tally.active_fault() == fault
     monkeypatch.setenv(protocol.FAULT_ENV, "wrong_ofset")
     with pytest.raises(ValueError, match=r"\$KVCONFORM_WORKER_FAULT='wrong_ofset'.*wrong_offset"):
         fault_tally.active_fault()
+
+
+def test_a_fault_named_without_the_fault_package_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mechanism layers only hand a fault to the hook the seeded-fault package installs:
+    without it, a named fault is an error, never a silent no-fault run."""
+    monkeypatch.delenv(fault_hook.HOOK_ENV)
+    monkeypatch.setenv(protocol.FAULT_ENV, "die")
+    with pytest.raises(fault_hook.NoFaultHook, match=r"seeded-fault hook.*KVCONFORM_FAULT_HOOK"):
+        fault_tally.active_fault()
+    with pytest.raises(fault_hook.NoFaultHook):
+        fault_hook.process_fault("die")
+    with fault_hook.seeded(None):  # nothing asked: nothing needed
+        pass
 
 
 def test_rank_placements_give_each_cuda_rank_its_own_gpu_id() -> None:
@@ -270,7 +285,6 @@ def test_another_copy_put_first_on_the_path_is_not_what_the_server_imports(
 
 STOPS = """
 import os
-from pytest_kvconform.adapters import seeds
 from pytest_kvconform.workers import forkserver
 from pytest_kvconform.workers import pool as workers
 from pytest_kvconform.adapters.worker_extension import page_pattern
@@ -390,8 +404,8 @@ def test_a_planted_symlink_under_the_pid_files_name_gets_nothing_written(
     (piddir / f"{os.getpid()}.hang").symlink_to(tmp_path / "dangling")  # would be created
     monkeypatch.setenv(protocol.PIDDIR_ENV, str(piddir))
 
-    assert not seeds.mark_pid("worker")
-    assert not seeds.mark_pid("hang")
+    assert not pid_marking.mark_pid("worker")
+    assert not pid_marking.mark_pid("hang")
 
     assert target.read_text() == "keep\n" and not (tmp_path / "dangling").exists()
     err = capfd.readouterr().err
@@ -404,10 +418,10 @@ def test_a_planted_symlink_under_the_pid_files_name_gets_nothing_written(
 def test_a_pid_file_is_created_for_this_user_only(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(protocol.PIDDIR_ENV, str(tmp_path))
-    assert seeds.mark_pid("worker")
+    assert pid_marking.mark_pid("worker")
     made = tmp_path / f"{os.getpid()}.worker"
     assert made.is_file() and not made.is_symlink() and made.stat().st_mode & 0o777 == 0o600
-    assert not seeds.mark_pid("worker")  # never over what is there, even our own
+    assert not pid_marking.mark_pid("worker")  # never over what is there, even our own
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o1777])
@@ -420,15 +434,15 @@ def test_a_pid_dir_anyone_may_plant_files_in_is_refused(
     piddir.chmod(mode)
     monkeypatch.setenv(protocol.PIDDIR_ENV, str(piddir))
     if mode & 0o1000:
-        seeds.check_piddir()
-        assert seeds.mark_pid("worker")
+        pid_marking.check_piddir()
+        assert pid_marking.mark_pid("worker")
         return
     with pytest.raises(ValueError) as info:
-        seeds.check_piddir()
+        pid_marking.check_piddir()
     assert str(info.value) == (f"$KVCONFORM_WORKER_PIDDIR={piddir}: refusing to write PID "
                                "files there: anyone may write to it (world-writable, no "
                                "sticky bit)")
-    assert not seeds.mark_pid("worker") and not list(piddir.iterdir())
+    assert not pid_marking.mark_pid("worker") and not list(piddir.iterdir())
 
 
 def test_a_pid_dir_that_is_not_a_directory_is_refused(tmp_path: Path,
@@ -436,7 +450,7 @@ def test_a_pid_dir_that_is_not_a_directory_is_refused(tmp_path: Path,
     monkeypatch.setenv(protocol.PIDDIR_ENV, str(tmp_path / "missing"))
     with pytest.raises(ValueError, match=r"PIDDIR=.*missing: not a directory this run can use "
                                          r"\(No such file or directory\)"):
-        seeds.check_piddir()
+        pid_marking.check_piddir()
 
 
 def test_a_run_with_an_unsafe_pid_dir_is_a_usage_error_and_leaves_sigterm_as_it_was(

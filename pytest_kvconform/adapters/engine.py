@@ -38,106 +38,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_kvconform.adapters import seeds, tiny_pipeline, worker_extension, worker_seams
+from pytest_kvconform.adapters import fault_hook, tiny_pipeline, worker_extension, worker_seams
+from pytest_kvconform.adapters.entry_points import (
+    EXECUTOR,
+    RUNNER,
+    UNI,
+    EntryPoint,
+    entry_point,
+)
 from pytest_kvconform.contract.memory import is_out_of_memory as is_out_of_memory  # re-exported
 from pytest_kvconform.contract.outcomes import HarnessError
 from pytest_kvconform.contract.records import Case
 
-EXECUTOR = "executor"
-RUNNER = "runner"
-UNI = "uni"
-MP = "mp"
-# Not production's selection: MP with one rank per KV-A worker, the executor's calls carried
-# over their pipes (``worker_seams``); names the chain of such a deployment.
-PIPE = "pipe"
 # The control plane only hands profile requests to the workers; with the KV budget given
 # as ``kv_cache_memory_bytes`` production's worker skips profiling, so any request does.
 PROFILE_REQUESTS: tuple[str, ...] = ("kvconform-profile",)
-_MODULES = {
-    EXECUTOR: "vllm_omni.diffusion.worker.diffusion_worker",
-    RUNNER: "vllm_omni.diffusion.worker.diffusion_model_runner",
-}
-
-
-@dataclass(frozen=True)
-class EntryPoint:
-    """The deepest production entry point that can run on this host, and why not higher.
-
-    ``unmeasured``: at the executor level, why ``DiffusionWorker``'s constructor cannot
-    complete here (the one step ``worker_seams.seams`` leaves out), or None.
-    """
-
-    level: str  # EXECUTOR, RUNNER or "" (none)
-    why_not_executor: str | None = None
-    why_not_runner: str | None = None
-    unmeasured: str | None = None
-
-    def chain(self, topology: str) -> str:
-        """Which production code received the configs, in words (a result's ``via``)."""
-        executor = {UNI: "UniProcDiffusionExecutor", MP: "MultiprocDiffusionExecutor",
-                    PIPE: "DiffusionExecutor.set_kv_cache_configs (the multiproc executor's "
-                          "RPC envelope to one KV-A worker process per rank)"}[topology]
-        if self.level == EXECUTOR:
-            chain = (f"{executor} -> DiffusionWorker.set_kv_cache_configs -> "
-                     "DiffusionModelRunner.set_kv_cache_config -> "
-                     "DiffusionKVModelRunnerBackend.initialize_kv_cache")
-            if self.unmeasured is None:
-                return chain
-            return (f"{chain} (DiffusionWorker's constructor cannot complete on this host: "
-                    f"{self.unmeasured}; so it runs with that memory snapshot unmeasured, "
-                    "its one accelerator step, and the configured KV budget)")
-        if self.level == RUNNER:
-            return ("DiffusionModelRunner.set_kv_cache_config -> "
-                    "DiffusionKVModelRunnerBackend.initialize_kv_cache (DiffusionWorker and "
-                    f"the executors cannot run here: {self.why_not_executor})")
-        return f"nothing: no production worker entry point runs here ({self.why_not_runner})"
-
-
-def _import_error(module: str) -> str | None:
-    try:
-        importlib.import_module(module)
-    except Exception as exc:  # an optional dependency of production's worker is missing
-        root: BaseException = exc
-        while root.__cause__ is not None:
-            root = root.__cause__
-        return f"import {module} fails: {type(root).__name__}: {root}"
-    return None
-
-
-@functools.cache
-def entry_point() -> EntryPoint:
-    """Feature detection: import production's worker, else its model runner; and a platform
-    that can build diffusion attention layers here.  Where the host has no accelerator for
-    the worker's device, the executor level runs if the one step the constructor cannot
-    take here can be left out (``worker_seams``)."""
-    why_platform = _no_platform()
-    why_executor = _import_error(_MODULES[EXECUTOR]) or why_platform
-    if why_executor is None:
-        unmeasured = worker_seams.unmeasured_reason(worker_seams.worker_device())
-        missing = worker_seams.seam_missing() if unmeasured else None
-        if missing is None:
-            return EntryPoint(EXECUTOR, unmeasured=unmeasured)
-        why_executor = (f"DiffusionWorker's constructor cannot complete on this host "
-                        f"({unmeasured}), and {missing}")
-    why_runner = _import_error(_MODULES[RUNNER]) or why_platform
-    if why_runner is None:
-        return EntryPoint(RUNNER, why_not_executor=why_executor)
-    return EntryPoint("", why_not_executor=why_executor, why_not_runner=why_runner)
-
-
-def _no_platform() -> str | None:
-    """Why no Omni platform can select a diffusion attention backend here, or None."""
-    try:
-        from vllm_omni.platforms import current_omni_platform
-    except Exception as exc:
-        return f"vllm-omni's platforms do not import: {type(exc).__name__}: {exc}"
-    name = type(current_omni_platform).__name__
-    if name == "UnspecifiedOmniPlatform":
-        return ("vllm-omni resolved no Omni platform for this host (UnspecifiedOmniPlatform, "
-                "which selects no diffusion attention backend); a CPU --kv-conformance run "
-                "activates the plugin's own (vllm_omni.platform_plugins entry point "
-                "kvconform_cpu), unless VLLM_PLUGINS leaves it out")
-    return None
 
 
 @dataclass(frozen=True)
@@ -256,6 +171,21 @@ def backend_selected(spec: EngineSpec) -> Iterator[str]:
 # --- the control plane's instruments ------------------------------------------------
 
 
+# The last control plane's config built in this process: what it pinned, for the report
+# when the deployment failed before the control plane returned (and for a seeded fault).
+_CONTROL_PLANE_CONFIGS: list[Any] = []
+
+
+def _record_control_plane_config(vllm_config: Any) -> None:
+    del _CONTROL_PLANE_CONFIGS[:]
+    _CONTROL_PLANE_CONFIGS.append(vllm_config)
+
+
+def last_control_plane_config() -> Any:
+    """The last control plane's ``VllmConfig`` built in this process, or None."""
+    return _CONTROL_PLANE_CONFIGS[-1] if _CONTROL_PLANE_CONFIGS else None
+
+
 @contextlib.contextmanager
 def _instrumented(need: bool | None, sized_with: list[str | None]) -> Iterator[None]:
     """Observe sizing (the layout pinned each time it sizes); hand the seam the need."""
@@ -270,7 +200,7 @@ def _instrumented(need: bool | None, sized_with: list[str | None]) -> Iterator[N
 
     def creating(*args: Any, **kwargs: Any) -> Any:
         vllm_config = create(*args, **kwargs)
-        seeds.record_control_plane_config(vllm_config)
+        _record_control_plane_config(vllm_config)
         return vllm_config
 
     module.get_kv_cache_configs = sizing
@@ -378,7 +308,7 @@ def run_control_plane(executor: Any, od: Any, spec: EngineSpec, *,
         report.error = error_record(exc, "set_kv_cache_configs"
                                     if "configs" in sent and stage != "observation" else stage)
         with contextlib.suppress(Exception):
-            report.pinned = seeds._CONTROL_PLANE_CONFIGS[-1].cache_config.kv_cache_layout
+            report.pinned = _CONTROL_PLANE_CONFIGS[-1].cache_config.kv_cache_layout
         with contextlib.suppress(Exception):
             report.layer_backends = on_ranks("kvconform_layer_backends")
     finally:
@@ -514,15 +444,15 @@ class Engine:
             prepin: str | None = None) -> EngineReport:
         """Start production's executor for the spec and run the control plane against it.
 
-        ``control`` is a check's own negative control (a regression of
-        :mod:`seeds` it applies on purpose); ``fault`` the seeded fault of the
+        ``control`` is a check's own negative control (a reference to the
+        ``source_rewrite.Regression`` it applies on purpose); ``fault`` the seeded fault of the
         run (``$KVCONFORM_WORKER_FAULT``).  Both stay applied until :meth:`close`.
         """
         point = entry_point()
         spec = self.spec
         stack = self._stack
         selected = stack.enter_context(backend_selected(spec))
-        stack.enter_context(seeds.seeded(fault, control))
+        stack.enter_context(fault_hook.seeded(fault, control))
         od = od_config(spec, selected,
                        executor_backend=spec.topology if point.level == EXECUTOR else None)
         try:
@@ -549,7 +479,7 @@ class Engine:
         return self.executor.collective_rpc(method, args=args, unique_reply_rank=rank)
 
     def close(self) -> None:
-        """Shut production's executor down (its workers go with it); undo the seeds."""
+        """Shut production's executor down (its workers go with it); undo the seeded faults."""
         try:
             if self.executor is not None:
                 with contextlib.suppress(Exception):

@@ -6,7 +6,7 @@ so KV-L7 runs on any device.  Two read correctly (one per layout family); the
 others carry one seeded mistake each, and KV-L7 must fail them naming the first wrong
 block: the evidence that the check can fail, on CPU in the plugin's own tests and on
 CUDA in ``kvconform gpu-check``.  ``kvconform selftest`` plants each misread into a
-conforming stand-in (``adapters/plants.py``) and checks that KV-L7 fails it there.
+conforming stand-in (``faults/plants.py``) and checks that KV-L7 fails it there.
 
 A pytest plugin module: ``-p pytest_kvconform.adapters.paged_standins`` registers them
 through the plugin's hook (``pytest_kvconform_backends``).  Shipped in the package so the

@@ -52,6 +52,12 @@ def page_pattern(layer: int, block: int, rank: int, shape: Sequence[int]) -> Any
     return ((tag + h * 131 + n * 37 + c * 7) % 255 + 1).astype(np.uint8)
 
 
+def target_page(raw: Any, page: Any) -> Any:
+    """Where one page's pattern is written: the page production bound (a seeded fault,
+    ``wrong_offset``, moves it; ``faults/worker_faults.py``)."""
+    return page
+
+
 def config_summary(config: Any) -> dict[str, Any]:
     """The fields of a ``KVCacheConfig`` that adoption depends on, as plain values."""
     tensors = [
@@ -145,8 +151,7 @@ class Observation:
         raw = torch.empty(0, dtype=torch.uint8, device=storage.device)
         return raw.set_(storage, 0, (storage.nbytes(),), (1,))
 
-    def kvconform_write_pattern(self, pages: Iterable[tuple[int, int]],
-                                fault: str | None = None) -> None:
+    def kvconform_write_pattern(self, pages: Iterable[tuple[int, int]]) -> None:
         """Zero the allocation, then write :func:`page_pattern` at each (layer, block) page
         through the view production bound to that layer."""
         import torch
@@ -155,14 +160,7 @@ class Observation:
         raw.zero_()
         caches, order = self._caches(), self._layer_order()
         for layer, block in pages:
-            page = caches[order[layer]][block].view(torch.uint8)
-            if "wrong_offset" in (fault or "").split(","):  # seeded: one token off
-                shift = min(page.stride()[:2])
-                end = page.storage_offset() + shift + sum(
-                    (n - 1) * s for n, s in zip(page.shape, page.stride(), strict=True)) + 1
-                shift = -shift if end > raw.numel() else shift
-                page = torch.as_strided(raw, page.shape, page.stride(),
-                                        page.storage_offset() + shift)
+            page = target_page(raw, caches[order[layer]][block].view(torch.uint8))
             pattern = page_pattern(layer, block, self.rank, tuple(page.shape))
             page.copy_(torch.from_numpy(pattern).to(page.device))
         if raw.device.type == "cuda":
@@ -196,12 +194,12 @@ def __getattr__(name: str) -> Any:
     if name == "KvConformWorkerExtension":
         from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
 
-        from pytest_kvconform.adapters import seeds, worker_seams
+        from pytest_kvconform.adapters import fault_hook, worker_seams
 
         apply_override()
         # A seeded regression, and the harness's seams, reach the worker processes
         # production spawns this way (a forked one has them already).
-        _SEEDED.enter_context(seeds.inherited())
+        _SEEDED.enter_context(fault_hook.inherited())
         _SEEDED.enter_context(worker_seams.seams())
         cls = type("KvConformWorkerExtension", (Observation, CustomPipelineWorkerExtension),
                    {"__module__": __name__,

@@ -1,7 +1,7 @@
 """What the harness does around production's worker methods: all of it, in this one place.
 
 KV-A and KV-L6 hand the control plane's configs to production's own code, as deep as it
-runs on this host (``engine.entry_point`` picks the level; every result's ``via`` and the
+runs on this host (``entry_points.entry_point`` picks the level; every result's ``via`` and the
 run's header name it and say why a deeper one did not run).  Around those methods the
 harness does exactly this, and nothing elsewhere:
 

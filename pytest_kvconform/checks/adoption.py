@@ -29,10 +29,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvconform.adapters import compat, engine, seam_backends
+from pytest_kvconform.adapters import compat, engine, entry_points, seam_backends
 from pytest_kvconform.adapters.control_plane import ControlPlane, build_control_plane
 from pytest_kvconform.adapters.engine import EngineReport, EngineSpec
 from pytest_kvconform.adapters.worker_extension import config_summary
+from pytest_kvconform.checks.adoption_controls import SKIP_ADOPTION_REF
 from pytest_kvconform.checks.common import (
     Where,
     declared_need,
@@ -129,7 +130,7 @@ def _ranks(run: Run, workers: Workers) -> list[WorkerHandle]:
 def _topology(case: Case, *, boundary: bool = False) -> str:
     """What production selects for the case (uniproc alone, multiproc above), or a process
     boundary on purpose (production's multiproc executor at any world size)."""
-    return engine.MP if boundary or case.world_size > 1 else engine.UNI
+    return entry_points.MP if boundary or case.world_size > 1 else entry_points.UNI
 
 
 @contextmanager
@@ -308,7 +309,7 @@ def check_kv_a2(source: Source, case: Case, workers: Workers) -> None:
     """
     run = _run("KV-A2", source, case)
     handles = _ranks(run, workers)
-    with deploy(run, handles, topology=engine.MP) as deployed:
+    with deploy(run, handles, topology=entry_points.MP) as deployed:
         report = deployed.report
         wire = getattr(getattr(deployed, "executor", None), "wire", "the executor's own queue")
     ran(run, report)
@@ -376,7 +377,7 @@ def check_kv_a4_unadopted(source: Source, case: Case, workers: Workers) -> None:
     run = _run("KV-A4", source, case)
     handles = _ranks(run, workers)
     unresolved = compat.unresolved_layout_error_text()
-    with deploy(run, handles, topology=_topology(case), control="skip_adoption") as deployed:
+    with deploy(run, handles, topology=_topology(case), control=SKIP_ADOPTION_REF) as deployed:
         report = deployed.report
     error = _refusal(run, report)
     if error is None:

@@ -12,7 +12,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pytest_kvconform.adapters import engine
+from pytest_kvconform.adapters import entry_points
 from pytest_kvconform.adapters.engine import EngineReport
 from pytest_kvconform.adapters.worker_extension import config_summary, page_pattern
 from pytest_kvconform.checks.adoption import (
@@ -63,7 +63,7 @@ def check_kv_a5(source: Source, case: Case, workers: Workers) -> None:
     devices = [h.placement for h in handles]
     if devices[0] != "cpu" and len(set(devices)) != len(devices):
         raise run.fail("ranks share a device", expected="one device per rank", actual=devices)
-    with deploy(run, handles, topology=engine.MP) as deployed:
+    with deploy(run, handles, topology=entry_points.MP) as deployed:
         report = _adopted_and_verified(run, handles, deployed)
     pids = [seen["pid"] for seen in report.ranks]
     if len(set(pids)) != len(pids):

@@ -236,7 +236,7 @@ def check_kv_l6(backend: BackendUnderTest, workers: Any) -> None:
     through ``diffusion_attention_config``, against the executor production selects,
     whose worker adopts and allocates.
     """
-    from pytest_kvconform.adapters import engine
+    from pytest_kvconform.adapters import engine, entry_points
     from pytest_kvconform.checks import adoption
 
     clause = "KV-L6"
@@ -252,7 +252,7 @@ def check_kv_l6(backend: BackendUnderTest, workers: Any) -> None:
         raise where.skip(workers.reason, SkipKind.HARDWARE)
     run = adoption.Run(clause, backend.name, _PROBE_CASE, need=need, name=backend.name,
                        path=engine.dotted(backend.path))
-    with adoption.deploy(run, workers, topology=engine.UNI) as deployed:
+    with adoption.deploy(run, workers, topology=entry_points.UNI) as deployed:
         report = deployed.report
     if report.error is not None and not report.rank_configs:
         adoption.ran(run, report)

@@ -14,7 +14,7 @@ the tests may all read it.
 Adding a clause is four edits (CONTRIBUTING.md, "Adding a clause"): its text in
 ``contract.md``, a :class:`Clause` row in :data:`CLAUSES`, a ``check_kv_<x><n>``
 function in its family's ``checks/`` module, and its seeded fault (one
-``plants.declare(...)`` in ``adapters/plants.py``).  Everything else follows from the
+``plants.declare(...)`` in ``faults/plants.py``).  Everything else follows from the
 row: the family's suite module (:data:`FAMILY_MODULES`) generates its pytest tests,
 :func:`pytest_kvconform.check_backend` plans it, ``checks/arguments.py`` expands its
 axes for both, the report gets its column, ``kvconform selftest`` seeds its fault, and

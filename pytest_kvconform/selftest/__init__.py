@@ -1,6 +1,6 @@
 """``kvconform selftest``: does the suite still catch the known production faults here?
 
-For each fault of the registry (``adapters/fault_registry.py``), one at a time and in a
+For each fault of the registry (``faults/registry.py``), one at a time and in a
 fresh process: seed it into the installed stack, run the checks of the clauses that guard
 it (:func:`~pytest_kvconform.api.check_backend`: the suite's checks and its one outcome
 rule), and call it **caught** when one of their results fails that passes on the clean

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pytest_kvconform.adapters.fault_registry import Fault
 from pytest_kvconform.api import CheckResult
+from pytest_kvconform.faults.registry import Fault
 
 Outcome = Literal["caught", "missed", "unseedable", "error"]
 EXIT_ALL_CAUGHT = 0

@@ -26,10 +26,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvconform.adapters import fault_registry
-from pytest_kvconform.adapters.fault_registry import Fault
 from pytest_kvconform.api import CheckResult, check_backend
 from pytest_kvconform.contract.records import BackendUnderTest
+from pytest_kvconform.faults import registry as fault_registry
+from pytest_kvconform.faults.registry import Fault
 from pytest_kvconform.selftest.catches import first_line
 from pytest_kvconform.workers import forkserver, lifetime, tempdirs
 

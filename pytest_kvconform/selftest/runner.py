@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvconform.adapters import fault_registry, run_env
-from pytest_kvconform.adapters.fault_registry import Fault
+from pytest_kvconform.adapters import run_env
 from pytest_kvconform.api import CheckResult
 from pytest_kvconform.contract import clauses as clauses_mod
 from pytest_kvconform.contract.records import BackendUnderTest
+from pytest_kvconform.faults import registry as fault_registry
+from pytest_kvconform.faults.registry import Fault
 from pytest_kvconform.selftest.catches import FaultResult, SelftestRun, judge
 from pytest_kvconform.selftest.forked import DEVICE, Selection, Task, run_all, selection
 from pytest_kvconform.workers import forkserver, lifetime

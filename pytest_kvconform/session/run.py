@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import compat, run_env, seeds
+from pytest_kvconform.adapters import compat, run_env
 from pytest_kvconform.adapters.omni_plugins import restore_plugins_env, set_plugins_env
+from pytest_kvconform.faults import pid_marking
 from pytest_kvconform.session.options import Options
 from pytest_kvconform.session.results import KvResults
 from pytest_kvconform.session.selection import KvSelection, import_error_line
@@ -131,7 +132,7 @@ class KvSession:
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
         try:
-            seeds.check_piddir()
+            pid_marking.check_piddir()
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
         if self.fault and self.options.strict:
@@ -164,6 +165,6 @@ class KvSession:
 
 def worker_path_line() -> str:
     """Which production entry point KV-A (and KV-L6) hand the configs to on this host."""
-    from pytest_kvconform.adapters import engine
+    from pytest_kvconform.adapters import entry_points
 
-    return f"kvconform: KV-A worker path: {engine.entry_point().chain(engine.UNI)}"
+    return f"kvconform: KV-A worker path: {entry_points.entry_point().chain(entry_points.UNI)}"

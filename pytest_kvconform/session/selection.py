@@ -130,9 +130,9 @@ class KvSelection:
                 if compat.omni_installed() and compat.production_import_error() is None:
                     # Detecting KV-A's entry point imports production's worker, whose
                     # optional dependencies print when absent (transformers, torchvision).
-                    from pytest_kvconform.adapters import engine
+                    from pytest_kvconform.adapters import entry_points
 
-                    engine.entry_point()
+                    entry_points.entry_point()
         except DiscoveryError as exc:
             raise pytest.UsageError(f"kvconform: {exc}") from None
         self.discovery_seconds = time.monotonic() - started

@@ -5,7 +5,7 @@ plus a lifeline-pipe watchdog; a forked worker's parent-death signal is tied to 
 fork server, which is tied to the test process, its lifeline to the test process
 itself), ignores SIGINT (its parent decides when it stops),
 and with ``$KVCONFORM_WORKER_PIDDIR`` set creates ``<pid>.worker`` there (never through a
-link: ``seeds.mark_pid``), so a test can check by PID that nothing is left.
+link: ``fault_hook.mark_pid``), so a test can check by PID that nothing is left.
 Its descriptors 1 and 2 are on its log before its imports, and every reply waits for what
 the command printed to be there (``worker_log.py`` reads the log for the run).
 Worker processes production's multiproc executor spawns are its own: they die with the
@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pytest_kvconform.adapters import seeds, worker_seams
+from pytest_kvconform.adapters import fault_hook, worker_seams
 from pytest_kvconform.adapters.worker_extension import process_identity
 from pytest_kvconform.contract import memory
 from pytest_kvconform.contract.memory import is_out_of_memory
@@ -67,7 +67,7 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     faulthandler.enable(sys.stderr)
-    seeds.mark_pid("worker")  # $PIDDIR_ENV: a refusal is a line in this log, no more
+    fault_hook.mark_pid("worker")  # $PIDDIR_ENV: a refusal is a line in this log, no more
     started = time.monotonic()
     plugins = None
     try:
@@ -87,14 +87,14 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
     gc.freeze()  # the imports' objects: never walked by the collections production runs
     from dataclasses import asdict
 
-    from pytest_kvconform.adapters import engine
+    from pytest_kvconform.adapters import engine, entry_points
 
     _reply(conn, {"ok": True, "result": {**process_identity(), "device": device,
                                       "import_s": round(time.monotonic() - started, 2),
                                       "plugins": plugins,
                                       # where production's stack is preloaded: which of its
                                       # worker entry points can run here
-                                      "entry_point": asdict(engine.entry_point())
+                                      "entry_point": asdict(entry_points.entry_point())
                                       if "vllm_omni" in sys.modules else None}})
     state = _WorkerState(device)
     while True:
@@ -112,7 +112,7 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
             reply = {"ok": False, "oom": {"asked": exc.asked, "free": exc.free},
                      "error": f"{type(exc.error).__name__}: {exc.error}"}
         except Exception as exc:
-            from pytest_kvconform.adapters import engine
+            from pytest_kvconform.adapters import engine, entry_points
 
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc(),
@@ -226,7 +226,7 @@ class _WorkerState:
 
         self.release()
         worker_seams.fresh_rank_env(self._rank_env)
-        seeds.process_fault(message.get("fault"))  # hang / die: the deployment's process
+        fault_hook.process_fault(message.get("fault"))  # hang / die: the deployment's process
         _may_have_children()
         self.engine = engine.Engine(message["spec"])
         with _visible_devices(message.get("visible_devices")):
@@ -241,22 +241,19 @@ class _WorkerState:
         """An observation of one rank of the deployment this worker runs."""
         if self.engine is None:
             raise RuntimeError("engine_call before engine_run")
-        args = list(message.get("args", ()))
-        if message["method"] == "kvconform_write_pattern":
-            args.append(message.get("fault"))
-        return self.engine.call(message["method"], message["rank"], *args)
+        return self.engine.call(message["method"], message["rank"], *message.get("args", ()))
 
     def cmd_rank_start(self, message: dict[str, Any]) -> dict[str, Any]:
         """Host rank ``rank`` of a deployment whose control plane runs in the parent, with
         the parent's ``od_config`` (one for all ranks, as an executor hands its workers)."""
-        from pytest_kvconform.adapters import engine, seeds
+        from pytest_kvconform.adapters import engine
 
         self.release()
         worker_seams.fresh_rank_env(self._rank_env)
         spec = message["spec"]
         fault = message.get("fault")
         self._seeded.enter_context(engine.backend_selected(spec))
-        self._seeded.enter_context(seeds.seeded(fault, message.get("control")))
+        self._seeded.enter_context(fault_hook.seeded(fault, message.get("control")))
         self.fault = fault
         self.host = engine.rank_worker(message["od"], message["rank"])
         return process_identity()
@@ -264,16 +261,14 @@ class _WorkerState:
     def cmd_rank_rpc(self, message: dict[str, Any]) -> Any:
         """One of the executor's RPCs, received as the executor's frames, made as the
         multiproc executor's worker process makes it (``execute_method``)."""
-        from pytest_kvconform.adapters import executor_wire, seeds
+        from pytest_kvconform.adapters import executor_wire
 
         if self.host is None:
             raise RuntimeError("rank_rpc before rank_start")
         rpc = executor_wire.decode(message["frames"])
         method, args = rpc["method"], list(rpc.get("args", ()))
         if method == "set_kv_cache_configs":
-            seeds.process_fault(self.fault)
-        if method == "kvconform_write_pattern":
-            args.append(self.fault)
+            fault_hook.process_fault(self.fault)
         execute = getattr(self.host, "execute_method", None)
         try:
             if execute is not None:

@@ -3,7 +3,7 @@
 ``adapters/engine.py`` runs production's control plane, executor and diffusion worker; this
 module decides where, given the KV-A worker processes a check was handed (one per
 rank) and the deepest production entry point those processes can run
-(``engine.entry_point``, reported by each worker at start-up):
+(``entry_points.entry_point``, reported by each worker at start-up):
 
 - :class:`ChildDeployment`: the whole engine inside the first worker.  At world size
   1 that is production's uniproc topology (control plane and worker in one process,
@@ -24,20 +24,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pytest_kvconform.adapters import engine, executor_wire, seeds, worker_seams
+from pytest_kvconform.adapters import engine, entry_points, executor_wire, fault_hook, worker_seams
 from pytest_kvconform.adapters.engine import EngineReport, EngineSpec
 from pytest_kvconform.contract.outcomes import Unsupported
 from pytest_kvconform.workers.handle import WorkerHandle
 from pytest_kvconform.workers.protocol import WorkerError
 
 
-def _entry_point(handles: Sequence[WorkerHandle]) -> engine.EntryPoint:
+def _entry_point(handles: Sequence[WorkerHandle]) -> entry_points.EntryPoint:
     info = handles[0].wait_ready() if handles else {}
-    return engine.EntryPoint(**(info.get("entry_point") or {"level": ""}))
+    return entry_points.EntryPoint(**(info.get("entry_point") or {"level": ""}))
 
 
 def level(handles: Sequence[WorkerHandle]) -> str:
-    """The production entry point the workers can run (``engine.EXECUTOR`` / ``RUNNER``)."""
+    """The production entry point the workers can run (``entry_points.EXECUTOR`` / ``RUNNER``)."""
     return _entry_point(handles).level
 
 
@@ -79,15 +79,15 @@ class ParentDeployment:
         point = _entry_point(self.handles)
         try:
             with engine.backend_selected(spec) as selected, \
-                    seeds.seeded(seeds.active()):
+                    fault_hook.seeded(fault_hook.active()):
                 self.started = self.handles
                 od = self.od(spec, selected)
                 _all(self.handles, lambda rank, handle: handle.send(
                     self.command(spec, rank, control, od)), "rank_start")
                 self.executor = _pipe_executor_class()(
-                    od, self.handles, gathered=point.level == engine.EXECUTOR)
+                    od, self.handles, gathered=point.level == entry_points.EXECUTOR)
                 self.report = engine.run_control_plane(self.executor, od, spec, prepin=prepin)
-            self.report.via = point.chain(engine.PIPE)
+            self.report.via = point.chain(entry_points.PIPE)
         except BaseException:
             self.close()
             raise
@@ -146,10 +146,11 @@ def _route(spec: EngineSpec, handles: Sequence[WorkerHandle]) -> str | None:
         raise Unsupported("production's diffusion worker cannot run here: "
                           f"{info.get('why_not_runner') or 'unknown'}")
     on_cpu = not any(h.device.startswith("cuda") for h in handles)
-    if spec.topology == engine.MP and (point == engine.RUNNER or on_cpu):  # worker_seams
+    # worker_seams: on CPU, or at the runner level, the control plane runs here
+    if spec.topology == entry_points.MP and (point == entry_points.RUNNER or on_cpu):
         return _PARENT
     gpus = [h.gpu_id for h in handles if h.gpu_id is not None]
-    return ",".join(gpus) if spec.topology == engine.MP and len(gpus) > 1 else None
+    return ",".join(gpus) if spec.topology == entry_points.MP and len(gpus) > 1 else None
 
 
 def _pipe_executor_class() -> type:

@@ -2,12 +2,12 @@
 
 A check whose counts moved drove its workers under that fault, and its result says so
 (``session/results.py``, ``api.check_backend``).  The fault itself is named by
-``$KVCONFORM_WORKER_FAULT`` and read through ``adapters/seeds.py``.
+``$KVCONFORM_WORKER_FAULT`` and read through ``adapters/fault_hook.py``.
 """
 
 from __future__ import annotations
 
-from pytest_kvconform.adapters import seeds
+from pytest_kvconform.adapters import fault_hook
 
 
 def active_fault() -> str | None:
@@ -16,7 +16,7 @@ def active_fault() -> str | None:
     Validated here, not in the child, so a typo never runs as a silent no-fault
     run and a session can print (or refuse) the fault before any worker starts.
     """
-    return seeds.active()
+    return fault_hook.active()
 
 
 _faulted_commands: dict[str, int] = {}

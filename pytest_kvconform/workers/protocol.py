@@ -14,7 +14,7 @@ anything imports torch, so it sees exactly one GPU, as ``cuda:0`` (an xdist
 worker's narrowed ``CUDA_VISIBLE_DEVICES`` is not inherited).  A plain torch
 device string (``"cuda:1"``) inherits the parent's environment.
 
-Seeded faults (``seeds.py``) reach the child through the command, not
+Seeded faults (``adapters/fault_hook.py``) reach the child through the command, not
 through monkeypatching (which a child process never sees): the parent forwards
 ``$KVCONFORM_WORKER_FAULT`` with every command; :func:`active_fault` says which one
 is active, so a qualification run can refuse it.
@@ -34,12 +34,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_kvconform.adapters import seeds
+from pytest_kvconform.adapters import fault_hook
 from pytest_kvconform.contract.outcomes import ErrorKind, HarnessError
 
-FAULT_ENV = seeds.ENV
-FAULTS = seeds.FAULTS
-PIDDIR_ENV = seeds.PIDDIR_ENV
+FAULT_ENV = fault_hook.FAULT_ENV
+PIDDIR_ENV = fault_hook.PIDDIR_ENV
 # A preload step, not a module: load the vLLM / vllm-omni plugins as vllm-omni's diffusion
 # workers do (omni_plugins.load_plugins), so the worker resolves backends as production would.
 LOAD_PLUGINS = "kvconform:load-plugins"

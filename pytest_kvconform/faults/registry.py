@@ -5,10 +5,10 @@ harness's own tests.  A fault is seeded one of two ways, never into the checks o
 oracle:
 
 - **worker**: production's worker side rewritten as a regression would change it
-  (``adapters/seeds.py``), in every process that hosts production's engine, through
+  (``faults/worker_faults.py``), in every process that hosts production's engine, through
   ``$KVCONFORM_WORKER_FAULT``;
 - **planted**: an installed function replaced in the process that runs the checks
-  (``adapters/plants.py``): layout resolution, stride derivation, null-block sizing, and
+  (``faults/plants.py``): layout resolution, stride derivation, null-block sizing, and
   the paged stand-ins' reads.  Each is declared once, where it is planted
   (``plants.declare``), and registered here from :data:`plants.PLANTED`.
 
@@ -23,9 +23,11 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pytest_kvconform.adapters import plants, seeds
-from pytest_kvconform.adapters.plants import Patch
+from pytest_kvconform.adapters.fault_hook import FAULT_ENV
 from pytest_kvconform.contract.clauses import parse_clause
+from pytest_kvconform.faults import plants
+from pytest_kvconform.faults import worker_faults as worker_side
+from pytest_kvconform.faults.plants import Patch
 
 # The backends the guarding checks run against: production's paged backend for the worker
 # side, a plain registry backend for layout resolution (plants.PLAIN), the paged stand-ins
@@ -57,7 +59,7 @@ class Fault:
     def unseedable(self) -> str | None:
         """Why this fault cannot be seeded into the installed stack, or None."""
         if self.worker is not None:
-            return seeds.unseedable(self.worker)
+            return worker_side.unseedable(self.worker)
         try:
             plants.replacements(self.patches)
         except plants.Unplantable as exc:
@@ -75,23 +77,23 @@ class Fault:
 @contextlib.contextmanager
 def worker_faults(names: tuple[str, ...]) -> Iterator[None]:
     """For the duration: ``$KVCONFORM_WORKER_FAULT`` names ``names`` (unset if none)."""
-    saved = os.environ.get(seeds.ENV)
+    saved = os.environ.get(FAULT_ENV)
     if names:
-        os.environ[seeds.ENV] = ",".join(names)
+        os.environ[FAULT_ENV] = ",".join(names)
     else:
-        os.environ.pop(seeds.ENV, None)
+        os.environ.pop(FAULT_ENV, None)
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop(seeds.ENV, None)
+            os.environ.pop(FAULT_ENV, None)
         else:
-            os.environ[seeds.ENV] = saved
+            os.environ[FAULT_ENV] = saved
 
 
 def _worker(name: str, clauses: tuple[str, ...], cases: tuple[str, ...] = ("bf16_h8",),
             beside: tuple[str, ...] = ()) -> Fault:
-    what = seeds.describe(name).partition(": ")[2]
+    what = worker_side.describe(name).partition(": ")[2]
     return Fault(name, "adoption", what, clauses, PAGED, cases, worker=name, beside=beside)
 
 
@@ -100,7 +102,7 @@ _FAMILIES = {"L": "layout", "S": "strides", "N": "null block", "A": "adoption"}
 
 
 def _planted(plant: plants.Planted) -> Fault:
-    """A fault declared in ``adapters/plants.py`` (:func:`plants.declare`)."""
+    """A fault declared in ``faults/plants.py`` (:func:`plants.declare`)."""
     family = plant.family or _FAMILIES[parse_clause(plant.clauses[0])[0]]
     return Fault(plant.name, family, plant.what, plant.clauses, plant.backend, plant.cases,
                  patches=plant.patches)
@@ -118,7 +120,7 @@ _FAULTS: tuple[Fault, ...] = (
     _worker("misnamed_configs", ("KV-A1", "KV-A3")),
     _worker("shifted_offset", ("KV-A1", "KV-A3")),
     # --- planted in the checks' process (layout resolution, strides, null-block sizing, the
-    # paged stand-ins' reads): each declared once, in adapters/plants.py ---
+    # paged stand-ins' reads): each declared once, in faults/plants.py ---
     *(_planted(plant) for plant in plants.PLANTED.values()),
 )
 REGISTRY: dict[str, Fault] = {fault.name: fault for fault in _FAULTS}

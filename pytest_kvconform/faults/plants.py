@@ -9,7 +9,7 @@ test (with pytest's ``monkeypatch``), ``kvconform selftest`` in a fresh process
 
 Each fault is declared once, here, with :func:`declare`: its name, the clauses whose
 checks must catch it, what it does wrong, its patches and what the guarding checks run
-on.  ``adapters/fault_registry.py`` registers every declaration (:data:`PLANTED`) for
+on.  ``faults/registry.py`` registers every declaration (:data:`PLANTED`) for
 ``kvconform selftest``; a new clause's seeded fault is one ``declare`` (and its ``make``
 function) in this file.
 
@@ -58,7 +58,7 @@ class Patch:
 
 @dataclass(frozen=True)
 class Planted:
-    """A planted fault as :func:`declare` declared it (``fault_registry`` registers it)."""
+    """A planted fault as :func:`declare` declared it (``faults/registry.py`` registers it)."""
 
     name: str
     clauses: tuple[str, ...]  # the clauses whose checks must catch it
