@@ -9,12 +9,12 @@ import os
 import pkgutil
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from pytest_kvconform.adapters import run_env
 from pytest_kvconform.workers import devices
+from tests.paths import ROOT
 from tests.seeding import Seeder
 from tests.wheel_env import WheelEnv
 from tests.wheel_env import make as make_wheel_env
@@ -34,7 +34,7 @@ needs_omni = pytest.mark.skipif(not HAVE_OMNI, reason="vllm-omni not installed")
 KV_ARGS = ("--kv-conformance", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly",
            "--kv-xfails", "none")
 
-PACKAGE = Path(__file__).resolve().parents[1] / "pytest_kvconform"
+PACKAGE = ROOT / "pytest_kvconform"
 _SERVING_STACK = ("torch", "vllm", "vllm_omni")
 # Imported inside the serving stack's functions when a check calls them (and by the
 # hypothesis plugin an inline run loads): found with
