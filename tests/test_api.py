@@ -19,10 +19,10 @@ from pytest_kvconform.contract.outcomes import ClauseSkip, ErrorKind, HarnessErr
 from pytest_kvconform.contract.records import BackendUnderTest, Case
 from pytest_kvconform.workers import pool as workers
 from tests.conftest import needs_omni
+from tests.paths import ROOT
 from tests.seeding import Seeder
 from tests.standin_backends import Good, IntFlag
 
-ROOT = Path(__file__).resolve().parents[1]
 COLLECTED = ROOT / "tests" / "data" / "collected_ids.txt"
 
 
