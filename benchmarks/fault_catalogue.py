@@ -5,7 +5,7 @@ Run in the default environment, from the repository root:
     PYTHONPATH=. python benchmarks/fault_catalogue.py [--reps 20] [--only NAME ...] [-o FILE]
 
 Each repetition runs every scenario of ``tests/faultkit.py`` (the same ones
-tests/test_seeded_process.py asserts on) in a fresh ``pytest --kv-conformance``
+tests/seeded/test_process.py asserts on) in a fresh ``pytest --kv-conformance``
 process: worker faults (hang, die, oom), a blocking declaration, Ctrl-C,
 SIGTERM and SIGKILL of pytest, serially and of an xdist controller, SIGTERM
 during start-up, two runs writing one report, a huge case (a usage error in < 5 s)

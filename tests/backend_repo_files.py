@@ -1,5 +1,6 @@
 """What a backend repository holds, written once for the tests that build one
-(``test_backend_repo.py`` from the installed wheel, ``test_subjects.py`` inline)."""
+(``end_to_end/test_backend_repo.py`` from the installed wheel, ``end_to_end/test_subjects.py``
+inline)."""
 
 from __future__ import annotations
 

@@ -9,12 +9,12 @@ import os
 import pkgutil
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from pytest_kvconform.adapters import run_env
 from pytest_kvconform.workers import devices
+from tests.paths import ROOT
 from tests.seeding import Seeder
 from tests.wheel_env import WheelEnv
 from tests.wheel_env import make as make_wheel_env
@@ -30,15 +30,15 @@ needs_omni = pytest.mark.skipif(not HAVE_OMNI, reason="vllm-omni not installed")
 
 # Inline pytester runs of the conformance suite: quiet, no cache, no xdist, and no known
 # findings unless a test names them (a later --kv-xfails wins; the default, auto, has tests of
-# its own in tests/test_known_findings.py).
+# its own in tests/end_to_end/test_known_findings.py).
 KV_ARGS = ("--kv-conformance", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly",
            "--kv-xfails", "none")
 
-PACKAGE = Path(__file__).resolve().parents[1] / "pytest_kvconform"
+PACKAGE = ROOT / "pytest_kvconform"
 _SERVING_STACK = ("torch", "vllm", "vllm_omni")
 # Imported inside the serving stack's functions when a check calls them (and by the
 # hypothesis plugin an inline run loads): found with
-# tests/test_inline_runs.py, which names any module a run still imports anew.
+# tests/end_to_end/test_inline_runs.py, which names any module a run still imports anew.
 LAZY_IMPORTS = (
     "hypothesis", "torch.distributed._tensor", "vllm.distributed.ec_transfer.ec_connector.utils",
     "vllm.v1.executor", "vllm_omni.diffusion.distributed", "vllm_omni.diffusion.hooks",
@@ -97,14 +97,15 @@ def import_what_runs_import() -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "delivers_signal: the test needs a signal delivered to a process "
-        "(tests/test_signal_dispositions.py runs these with SIGINT inherited ignored)")
+        "(tests/end_to_end/test_signal_dispositions.py runs these with SIGINT inherited ignored)")
 
 
 @pytest.fixture(scope="session")
 def wheel_env(tmp_path_factory: pytest.TempPathFactory) -> WheelEnv:
     """The wheel built from this checkout once per session and installed non-editable in a
     venv of its own, with vllm-omni where this environment has it (tests/wheel_env.py).
-    A test may add its own packages to the venv (tests/test_backend_repo.py adds a repo)."""
+    A test may add its own packages to the venv (tests/end_to_end/test_backend_repo.py adds
+    a repo)."""
     return make_wheel_env(tmp_path_factory.mktemp("wheel"), *(["vllm-omni"] if HAVE_OMNI else []))
 
 

@@ -82,7 +82,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # Run as a script, it imports tests.report_rows from the clone; imported (test_matrix),
-    # it must not put the clone first on the importing process's path.
+    # Run as a script, it imports tests.report_rows from the clone; imported (by
+    # crossversion/test_release_matrix.py), it must not put the clone first on the importing
+    # process's path.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main(sys.argv[1:]))

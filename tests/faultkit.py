@@ -1,4 +1,4 @@
-"""Process-level fault scenarios, shared by tests/test_seeded_process.py and
+"""Process-level fault scenarios, shared by tests/seeded/test_process.py and
 benchmarks/fault_catalogue.py.
 
 Each scenario runs ``pytest --kv-conformance`` in a fresh process (its own

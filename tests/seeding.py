@@ -1,4 +1,4 @@
-"""One way to seed a fault, shared by the ``tests/test_seeded_*.py`` files.
+"""One way to seed a fault, shared by the ``tests/seeded/test_*.py`` files.
 
 A fault is planted in this process, for one test, where production looks the name up
 at call time (a module or class attribute), with the test's ``monkeypatch``: one of the

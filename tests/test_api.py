@@ -19,10 +19,10 @@ from pytest_kvconform.contract.outcomes import ClauseSkip, ErrorKind, HarnessErr
 from pytest_kvconform.contract.records import BackendUnderTest, Case
 from pytest_kvconform.workers import pool as workers
 from tests.conftest import needs_omni
+from tests.paths import ROOT
 from tests.seeding import Seeder
 from tests.standin_backends import Good, IntFlag
 
-ROOT = Path(__file__).resolve().parents[1]
 COLLECTED = ROOT / "tests" / "data" / "collected_ids.txt"
 
 
@@ -125,7 +125,7 @@ def test_the_plan_is_the_suites_collection_for_one_backend() -> None:
               "FLASH_ATTN_HUB", "RAINFUSION_ATTN", "SAGE_ATTN", "SAGE_ATTN_3", "TRTLLM_ATTN"}
     suite = [i for i in _collected() if i.split("[")[1].split("-")[0].rstrip("]") not in others]
     # The clauses the stored ids name (a clause added since has its ids derived, not stored:
-    # tests/test_collected_ids.py).
+    # tests/end_to_end/test_collected_ids.py).
     stored = {clauses.clause_from_test_name(i) for i in suite}
     assert sorted(p for p in planned if clauses.clause_from_test_name(p) in stored) == \
         sorted(suite)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT as REPO
+
 README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 RESULTS = REPO / "benchmarks" / "RESULTS.md"

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "pytest_kvconform"
+from tests.paths import ROOT
+
+PACKAGE = ROOT / "pytest_kvconform"
 
 # Bottom first: one subpackage per layer, the entry points on top.  A module may import
 # modules of its own layer or of a layer below.

@@ -8,11 +8,10 @@ A user copies the README's two command lines into a fresh clone with nothing set
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from pytest_kvconform.contract import clauses
+from tests.paths import ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 CI = (REPO / ".ci" / "run").read_text()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pytest_kvconform.contract import clauses
+from tests.paths import ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "clauses.md"
 REGENERATE = ('python -c "from pytest_kvconform.contract import clauses; '
               'clauses.write_markdown_table()"')

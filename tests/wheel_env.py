@@ -2,9 +2,10 @@
 
 A wheel built from main once lacked ``pytest_kvconform.selftest`` while every test ran an
 editable install, which imports from the checkout.  The tests that check what users get
-(``tests/test_wheel.py``, ``tests/test_backend_repo.py``) share one build and one venv per
-session (the ``wheel_env`` fixture in ``tests/conftest.py``): the build and the venv take
-tens of seconds.  Stdlib only: imported by conftest.py before anything heavy.
+(``tests/end_to_end/test_wheel.py``, ``tests/end_to_end/test_backend_repo.py``) share
+one build and one venv per session (the ``wheel_env`` fixture in ``tests/conftest.py``):
+the build and the venv take tens of seconds.  Stdlib only: imported by conftest.py before
+anything heavy.
 """
 
 from __future__ import annotations

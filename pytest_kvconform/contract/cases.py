@@ -64,7 +64,7 @@ MAX_ID_CHARS = 64  # an id is part of every test id
 MAX_DESCRIPTION_CHARS = 1000
 # The KV cache one case describes (num_layers * num_pages * page, padding included):
 # KV-S2 materialises one oracle address per byte of it, which the oracle refuses past
-# oracle.MAX_TABLE_CELLS (tests/test_cases.py checks that the two agree).
+# oracle.MAX_TABLE_CELLS (tests/contract/test_cases.py checks that the two agree).
 MAX_KV_BYTES = 1 << 26
 # What one KV byte costs the test process while KV-S2 writes its byte map back (the
 # guarded buffer, the int64 map and the oracle table): 77 bytes measured, on a 16 MiB

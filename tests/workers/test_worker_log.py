@@ -1,20 +1,17 @@
 """What the KV-A workers print is kept for the run, never on the terminal (workers/worker_log.py).
 
 Pools here preload nothing (a worker starts in well under a second); the end-to-end runs
-are in tests/test_worker_output.py.
+are in tests/session/test_worker_output.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from pytest_kvconform.workers import pool as workers
 from pytest_kvconform.workers import protocol, worker_log
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture

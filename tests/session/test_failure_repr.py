@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import needs_omni
-from tests.test_suite_table import seeded_rows  # noqa: F401  (the fixture, used by name)
+from tests.suite.test_generate import seeded_rows  # noqa: F401  (the fixture, used by name)
 
 
 @needs_omni
@@ -21,7 +21,7 @@ def test_a_clause_failure_reads_as_its_verdict_unless_a_traceback_is_asked_for(
     if tb is None:
         result.stdout.fnmatch_lines([
             "_*_ test_kv_n6?padded? _*_", verdict, "  expected: 15", "  actual:   16",
-            "*test_suite_table.py:*: in check_kv_n6 (--tb=long shows the traceback)",
+            "*test_generate.py:*: in check_kv_n6 (--tb=long shows the traceback)",
             summary])
         result.stdout.no_fnmatch_line("*run_check(*")
     else:

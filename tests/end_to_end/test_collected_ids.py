@@ -22,7 +22,6 @@ import re
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 
@@ -30,8 +29,8 @@ from pytest_kvconform.checks.arguments import expand
 from pytest_kvconform.contract import clauses
 from pytest_kvconform.contract.cases import load_cases
 from pytest_kvconform.contract.records import BackendUnderTest, installed_version
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 STORED = ROOT / "tests" / "data" / "collected_ids.txt"
 _PINS_RE = re.compile(r"^# vllm==(\S+) vllm-omni==(\S+)$", re.MULTILINE)
 _ID_RE = re.compile(r"^kvconform/(?P<module>\w+)\.py::(?P<name>\w+?)(?:\[(?P<params>.*)\])?$")

@@ -23,7 +23,7 @@ from pytest_kvconform.workers import fault_tally, forkserver, policy, protocol
 from pytest_kvconform.workers import handle as handle_mod
 from pytest_kvconform.workers import pool as workers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ from tests.standin_backends import GOOD_AND_INT_FLAG
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
                                 reason="PID checks read /proc (Linux)")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- the worker harness, directly ---------------------------------------------------

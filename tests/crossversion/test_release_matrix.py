@@ -18,8 +18,9 @@ from pytest_kvconform.crossversion import tox_leg as legs
 from pytest_kvconform.report.build import ReportError, validate_matrix
 from tests import faultkit
 from tests.fake_tox import UV_ERROR
+from tests.paths import ROOT
 
-FAKE_TOX = f"{sys.executable} {Path(__file__).with_name('fake_tox.py')}"
+FAKE_TOX = f"{sys.executable} {ROOT / 'tests' / 'fake_tox.py'}"
 STACK_029 = {"vllm": "0.29.0", "vllm_omni": None, "torch": "2.13.0", "vllm_error": None,
              "omni_error": None}
 LEGS = {
@@ -190,7 +191,7 @@ def test_build_failure_reason_is_uvs_error_block() -> None:
 
 def test_repository_matrix_label_names_every_supported_minor() -> None:
     """tox.ini's label is the matrix: vLLM 0.29-0.34, default environments untouched."""
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     text = (root / "tox.ini").read_text()
     label = next(line for line in text.splitlines() if line.strip().startswith("matrix ="))
     assert [name.strip() for name in label.split("=", 1)[1].split(",")] == [
@@ -214,7 +215,7 @@ def test_sigterm_stops_the_running_leg_and_leaves_an_interrupted_matrix(
     command = [sys.executable, "-m", "pytest_kvconform.cli", "matrix", "--root", str(clone),
                "--tox", FAKE_TOX, "-o", str(out)]
     pid_file = clone / "fake_tox.pid"
-    with subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1],
+    with subprocess.Popen(command, cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         deadline = time.monotonic() + 60
         hung = 0

@@ -14,7 +14,8 @@ With the copy first on ``PYTHONPATH``, in fresh processes (run side by side):
 - ``pytest --kv-conformance -k kv_s6 --kv-report r.json`` collects ``test_kv_s6[...]`` in
   ``kvconform/test_strides.py`` for every layout x plain case and passes them, and the report
   has their KV-S6 rows; every id it collects (before ``-k``) is the stored golden list's plus
-  KV-S6's derived ones (``tests/test_collected_ids.py``: the golden file needs no edit);
+  KV-S6's derived ones (``tests/end_to_end/test_collected_ids.py``: the golden file needs no
+  edit);
 - ``kvconform selftest --fault equal_strides`` seeds the new fault and the suite catches it.
 
 Nothing else is edited: the suite test, the docs' table source, the collected ids, the
@@ -37,13 +38,13 @@ import pytest
 from pytest_kvconform.contract import clauses
 from pytest_kvconform.contract.cases import load_cases
 from pytest_kvconform.contract.records import installed_version
-from tests import test_collected_ids as golden
 from tests.conftest import needs_omni
+from tests.end_to_end import test_collected_ids as golden
+from tests.paths import ROOT
 from tests.wheel_env import clean_env
 
 pytestmark = needs_omni
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "pytest_kvconform"
 
 # --- the four edits -------------------------------------------------------------------------

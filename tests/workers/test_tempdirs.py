@@ -3,7 +3,7 @@
 The sweep removes only what it can prove is a gone run's: our prefix, this user's, a
 real directory, its owner PID not running (or running since another time: reused), and
 of what it claimed only ``pymp-*`` directories beside it.  Whole runs (SIGTERM, SIGKILL)
-are in tests/test_seeded_process.py.
+are in tests/seeded/test_process.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A table row is a suite test: each family's module generates its rows' tests, in order.
 
 (A new clause's whole path, its contract text and seeded fault included, is
-``tests/test_new_clause.py``'s.)
+``tests/end_to_end/test_new_clause.py``'s.)
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ def check_kv_l9(backend: BackendUnderTest, device: str) -> None:
 
 NEW_ROWS = (
     clauses.Clause("KV-L9", "A seeded backend clause", "backend",
-                   (clauses.Check("tests.test_suite_table:check_kv_l9", ("backend", "device")),)),
+                   (clauses.Check("tests.suite.test_generate:check_kv_l9",
+                                  ("backend", "device")),)),
     clauses.Clause("KV-N6", "A seeded case clause", "case",
-                   (clauses.Check("tests.test_suite_table:check_kv_n6", ("case",)),),
+                   (clauses.Check("tests.suite.test_generate:check_kv_n6", ("case",)),),
                    cases=clauses.one_rank_one_group),
 )
 

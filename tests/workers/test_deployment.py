@@ -1,6 +1,6 @@
 """Where production's engine runs for KV-A, and the seams the harness adds to it.
 
-The deployments themselves run in ``tests/test_seeded_adoption.py`` (inline suite runs);
+The deployments themselves run in ``tests/seeded/test_adoption.py`` (inline suite runs);
 here: the multiproc RPC envelope the test-process executor sends, the entry point a
 result names, and that every seeded regression still finds the production statement it
 rewrites in the installed vllm-omni (a regression that silently changed nothing would

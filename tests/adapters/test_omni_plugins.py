@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import needs_omni
+from tests.paths import ROOT
 
 DIST = "oot-kvplugin"
 ENTRY_POINTS = """
@@ -130,7 +131,7 @@ def install_plugin(site: Path, entry_points: str = ENTRY_POINTS + PLATFORM_ENTRY
 @pytest.fixture
 def with_plugin(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     site = install_plugin(pytester.path / "site")
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(ROOT)
     rest = os.environ.get("PYTHONPATH", "")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), repo, rest])))
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
@@ -307,7 +308,7 @@ def test_a_strict_run_with_a_raising_hook_is_not_qualified_by_name(
     """The server would not start: exit non-zero, the verdict names plugin, distribution and
     error; the plugin that does not import is production's warning, not a finding."""
     site = install_plugin(pytester.path / "site", BROKEN_PLUGINS)
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(ROOT)
     rest = os.environ.get("PYTHONPATH", "")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), repo, rest])))
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)

@@ -19,9 +19,9 @@ import pytest
 
 from pytest_kvconform.cli import main
 from pytest_kvconform.report import build as rp
+from tests.paths import ROOT
 from tests.report_rows import build, row
 
-ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 3
 WRITES = 150
 

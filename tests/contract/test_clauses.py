@@ -10,7 +10,6 @@ import sys
 import textwrap
 import types
 import warnings
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +19,8 @@ from pytest_kvconform.contract.cases import load_cases
 from pytest_kvconform.contract.outcomes import SkipKind
 from pytest_kvconform.report import build as report
 from pytest_kvconform.suite.check_call import FIXTURE
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 # The suite's modules: one per family, and the one for a family without its own.
 SUITE_MODULES = (*dict.fromkeys(clauses.FAMILY_MODULES.values()), "test_table")
 

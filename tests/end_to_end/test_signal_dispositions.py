@@ -14,10 +14,11 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SIGNAL_TESTS = [ROOT / "tests" / "test_seeded_process.py", ROOT / "tests" / "test_matrix.py"]
+from tests.paths import ROOT
+
+SIGNAL_TESTS = [ROOT / "tests" / "seeded" / "test_process.py",
+                ROOT / "tests" / "crossversion" / "test_release_matrix.py"]
 
 
 def _sigint_ignored_and_blocked() -> None:

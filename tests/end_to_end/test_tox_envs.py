@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT as REPO
+
 COPIED = ("README.md", "pyproject.toml", "tox.ini", "requirements", "pytest_kvconform",
           "conformance_cases")
 IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
@@ -81,7 +82,7 @@ def test_the_cputorch_environment_swaps_in_the_cpu_build() -> None:
 
 def test_ci_environments_install_the_wheel_not_the_clone() -> None:
     """CI's tests and main jobs run what users install: the package's wheel, not editable
-    (tests/test_wheel.py checks what such an environment imports)."""
+    (tests/end_to_end/test_wheel.py checks what such an environment imports)."""
     for env_name in (DEFAULT, f"{DEFAULT}-cputorch"):
         assert "package = wheel" in _tox_config(env_name, "package").splitlines(), env_name
 

@@ -9,6 +9,7 @@ from typing import Any
 from pytest_kvconform.cli import main
 from pytest_kvconform.report.build import build_matrix, run_record, write_matrix
 from pytest_kvconform.report.diff import diff_matrices, diff_reports
+from tests.paths import ROOT
 from tests.report_rows import backend_record, build, environment, row
 
 KNOWN = "known.toml:3 GOOD/KV-L8"
@@ -136,5 +137,5 @@ def test_a_result_checked_through_another_entry_point_is_listed() -> None:
 
 
 def test_ci_does_not_run_the_matrix() -> None:
-    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
     assert "kvconform matrix" not in ci and "-m matrix" not in ci

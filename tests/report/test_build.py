@@ -17,6 +17,7 @@ from pytest_kvconform.contract.records import BackendUnderTest
 from pytest_kvconform.report import build as rp
 from pytest_kvconform.workers import devices as dev
 from tests import report_rows
+from tests.paths import ROOT
 from tests.report_rows import environment, row
 
 # Rows of FLASH_ATTN's results unless told otherwise; skip_kind always present.
@@ -331,7 +332,7 @@ def test_write_report_writes_json_and_markdown(tmp_path: Path) -> None:
     assert md_path == tmp_path / "sub" / "r.md"
     assert json.loads(json_path.read_text()) == report
     assert md_path.read_text() == rp.render_markdown(report)
-    # The pair's lock stays (see tests/test_report_writers.py); no temp file does.
+    # The pair's lock stays (see tests/report/test_writers.py); no temp file does.
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == [".r.json.lock", "r.json",
                                                                     "r.md"]
 
@@ -412,7 +413,7 @@ def test_environment_info_imports_neither_torch_nor_vllm() -> None:
         "assert not heavy, heavy\n"
         "print(env['vllm'])\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
         env={"PYTHONPATH": str(root), "PATH": ""},

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from pytest_kvconform.workers import forkserver
+from tests.paths import ROOT
 
 pytestmark = pytest.mark.skipif(not forkserver.usable(), reason="needs Linux forkserver")
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # The "controller": starts a server that preloads nothing, prints share(), waits for EOF.
 OWNER = textwrap.dedent('''

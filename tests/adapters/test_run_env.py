@@ -9,6 +9,7 @@ import pytest
 
 from pytest_kvconform.adapters import run_env
 from tests.conftest import needs_omni
+from tests.paths import ROOT
 
 HUMMING = "HUMMING_DISABLE_PARALLEL_BUILD"
 
@@ -223,9 +224,8 @@ except ValueError:
 def test_captured_output_of_a_block_that_raises_still_reaches_stderr() -> None:
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
     done = subprocess.run([sys.executable, "-c", FAILING_CAPTURE], env=env,
@@ -236,9 +236,8 @@ def test_captured_output_of_a_block_that_raises_still_reaches_stderr() -> None:
 def test_captured_output_takes_what_the_block_prints_and_nothing_after() -> None:
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
     done = subprocess.run([sys.executable, "-c", CAPTURE], env=env, capture_output=True,
