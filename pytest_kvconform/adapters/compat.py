@@ -50,6 +50,19 @@ def _parameters(fn: Any, init: Any) -> Any:
     return inspect.signature(fn).parameters
 
 
+def first_attribute(name: str, modules: tuple[str, ...]) -> Any:
+    """``name`` from the first of ``modules`` that imports and has it (vLLM moves its
+    functions between modules across versions); ImportError naming it if none does."""
+    for module_name in modules:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise ImportError(f"installed vLLM has no {name}")
+
+
 def versions() -> dict[str, str | None]:
     return {name: installed_version(name) for name in ("torch", "vllm", "vllm-omni", "pytest")}
 

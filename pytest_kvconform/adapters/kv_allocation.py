@@ -10,7 +10,6 @@ vLLM and vllm-omni are imported lazily, inside functions.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Sequence
 from functools import cache
@@ -45,14 +44,8 @@ def allocate_kv_cache(kv_cache_config: Any, device: str, layout_member: Any,
 
 @cache
 def init_kv_cache_fn() -> Any:
-    for module_name in ("vllm.v1.worker.gpu.attn_utils", "vllm.v1.worker.utils"):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        if hasattr(module, "init_kv_cache"):
-            return module.init_kv_cache
-    raise ImportError("installed vLLM has no init_kv_cache")
+    return compat.first_attribute("init_kv_cache",
+                                  ("vllm.v1.worker.gpu.attn_utils", "vllm.v1.worker.utils"))
 
 
 def init_kv_cache(vllm_config: Any, kv_cache_config: Any, device: str,

@@ -23,14 +23,8 @@ from pytest_kvconform.adapters import compat
 
 def get_kv_cache_configs_fn() -> Any:
     """``get_kv_cache_configs``: moved to ``kv_cache_planning`` in vLLM 0.33."""
-    for module_name in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        if hasattr(module, "get_kv_cache_configs"):
-            return module.get_kv_cache_configs
-    raise ImportError("installed vLLM has no get_kv_cache_configs")
+    return compat.first_attribute("get_kv_cache_configs", ("vllm.v1.core.kv_cache_planning",
+                                                           "vllm.v1.core.kv_cache_utils"))
 
 
 def get_kv_cache_configs(vllm_config: Any, specs: list[dict[str, Any]],
@@ -47,12 +41,10 @@ def get_kv_cache_configs(vllm_config: Any, specs: list[dict[str, Any]],
 
 def generate_scheduler_kv_cache_config(worker_configs: list[Any]) -> Any:
     """Upstream's scheduler-side ``KVCacheConfig`` from the ranks' configs."""
-    for module_name in ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning"):
-        module = importlib.import_module(module_name)
-        fn = getattr(module, "generate_scheduler_kv_cache_config", None)
-        if fn is not None:
-            return fn(worker_configs)
-    raise ImportError("installed vLLM has no generate_scheduler_kv_cache_config")
+    generate = compat.first_attribute("generate_scheduler_kv_cache_config",
+                                      ("vllm.v1.core.kv_cache_utils",
+                                       "vllm.v1.core.kv_cache_planning"))
+    return generate(worker_configs)
 
 
 def enable_hybrid_kv_cache_manager(vllm_config: Any) -> bool:
