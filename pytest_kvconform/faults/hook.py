@@ -9,16 +9,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from pytest_kvconform.adapters.source_rewrite import Regression
-from pytest_kvconform.faults import pid_marking, process_faults, worker_faults
-
-
-def validate(fault: str) -> None:
-    worker_faults.validate(fault)
-
-
-def regressions(fault: str) -> list[Regression]:
-    return worker_faults.regressions(fault)
+from pytest_kvconform.faults import process_faults, worker_faults
+from pytest_kvconform.faults.pid_marking import mark_pid as mark_pid
+from pytest_kvconform.faults.process_faults import process_fault as process_fault
+from pytest_kvconform.faults.worker_faults import regressions as regressions
+from pytest_kvconform.faults.worker_faults import validate as validate
 
 
 @contextlib.contextmanager
@@ -27,11 +22,3 @@ def seeded(fault: str) -> Iterator[None]:
     with worker_faults.corruption(fault), process_faults.oversized_allocation(fault), \
             worker_faults.corrected(fault), worker_faults.offset_pattern(fault):
         yield
-
-
-def process_fault(fault: str) -> None:
-    process_faults.process_fault(fault)
-
-
-def mark_pid(suffix: str) -> bool:
-    return pid_marking.mark_pid(suffix)
