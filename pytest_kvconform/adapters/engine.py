@@ -253,9 +253,14 @@ def _host_limit(exc: BaseException) -> str | None:
         return None
 
 
-def run_control_plane(executor: Any, od: Any, spec: EngineSpec, *,
+def run_control_plane(executor: Any, od: Any, spec: EngineSpec, *, via: str,
                       prepin: str | None = None) -> EngineReport:
     """Production's control plane against ``executor``; what each rank's worker did.
+
+    ``via`` names the production chain that receives the configs (:meth:`EntryPoint.chain`):
+    the caller's, since where the control plane runs beside workers of other processes
+    (``workers/deployment.py``) those workers know it, and detecting it here would import
+    production's worker into a process that runs none of it.
 
     Around the executor's own ``set_kv_cache_configs`` the harness only looks: it
     records the configs the control plane hands over and each worker's layout just
@@ -266,8 +271,7 @@ def run_control_plane(executor: Any, od: Any, spec: EngineSpec, *,
     import torch
 
     module: Any = importlib.import_module("vllm_omni.diffusion.diffusion_kv.initialization")
-    report = EngineReport(via=entry_point().chain(spec.topology), control_plane_pid=os.getpid(),
-                          block_size=_block_size(od, spec))
+    report = EngineReport(via=via, control_plane_pid=os.getpid(), block_size=_block_size(od, spec))
     sent: dict[str, Any] = {}
     set_configs, specs_of = executor.set_kv_cache_configs, executor.get_kv_cache_specs
     ranks = range(spec.world_size)
@@ -462,7 +466,8 @@ class Engine:
             self.report = EngineReport(via=point.chain(spec.topology),
                                        error=error_record(exc, "worker start-up"))
             return self.report
-        self.report = run_control_plane(self.executor, od, spec, prepin=prepin)
+        self.report = run_control_plane(self.executor, od, spec, via=point.chain(spec.topology),
+                                        prepin=prepin)
         return self.report
 
     def _make_executor(self, point: EntryPoint, od: Any) -> Any:

@@ -18,13 +18,6 @@ none for CPU, and the entry point stays inert in any process without it).
 Set before anything imports vLLM, so the fork server, xdist workers and KV-A workers
 inherit them; restored at the end of the run.
 
-Also :func:`freeze_heap` / :func:`thaw_heap`: after collection, the objects the serving
-stack's import left behind (~940,000 tracked by the garbage collector) are moved out of
-its reach for the tests, so a full collection (one during the suite, and pytest's own two
-at the end of the run) does not walk them.  They
-are handed back when the run ends, before the process exits: the interpreter's final
-collections find what they always did, and a pytester run leaves nothing frozen.
-
 Also :func:`captured_output`: what importing the serving stack prints (vllm-omni's
 backends warn that SageAttention or FlashInfer is unavailable, transformers prints
 ``[ERROR]`` lines about docstrings) is the installed stack's, not the suite's, and would
@@ -37,7 +30,6 @@ Stdlib only.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import re
@@ -115,18 +107,6 @@ def loaded_vllm_quieted(added: list[str]) -> Iterator[None]:
         yield
     finally:
         logger.setLevel(before)
-
-
-def freeze_heap() -> int:
-    """Move every object the collector tracks into its permanent generation; how many."""
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
-def thaw_heap() -> None:
-    """Give the frozen objects back to the collector (objects that became garbage while
-    frozen are collected from then on)."""
-    gc.unfreeze()
 
 
 # --- what the serving stack's imports print ----------------------------------------------

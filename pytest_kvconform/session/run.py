@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.adapters import compat, run_env
+from pytest_kvconform.adapters import compat, heap, run_env
 from pytest_kvconform.adapters.omni_plugins import restore_plugins_env, set_plugins_env
 from pytest_kvconform.faults import pid_marking
 from pytest_kvconform.session.options import Options
@@ -36,6 +36,12 @@ class KvSession:
                  known: Any = None) -> None:
         self.config = config
         self.options = options
+        # No collections while the stack imports (adapters/heap.py); resumed after
+        # discovery.  The cleanup thaws what discovery and pytest_collection_finish froze;
+        # added now, during the first configure hooks, so it runs last, after pytest's own
+        # end-of-run collections (unraisableexception's, at unconfigure and in its cleanup).
+        self._collector_was_on: bool | None = heap.pause()
+        config.add_cleanup(self._thaw)
         self.fault: str | None = None
         self.device = "cpu"
         self.gpu_ids: list[str] = []
@@ -54,10 +60,6 @@ class KvSession:
         from pytest_kvconform.workers import pool as workers
 
         workers.hold()  # the KV-A worker pool lives until pytest_unconfigure
-        # Thaws what pytest_collection_finish froze.  Added now, during the first
-        # configure hooks, so it runs last, after pytest's own end-of-run collections
-        # (unraisableexception's, at unconfigure and in its cleanup).
-        config.add_cleanup(run_env.thaw_heap)
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         """Close the KV-A worker pool (unless a pytester-hosting test still holds it)."""
@@ -74,7 +76,16 @@ class KvSession:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         """Imports and collection done: keep their objects out of the tests' collections."""
-        run_env.freeze_heap()
+        heap.freeze()
+
+    def _thaw(self) -> None:
+        self._resume_collector()  # a run that ended before discovery did
+        heap.thaw()
+
+    def _resume_collector(self) -> None:
+        if self._collector_was_on is not None:
+            heap.resume(self._collector_was_on)
+            self._collector_was_on = None
 
     # `kvconform run` (cli.py) asks for the report through the session plugin.
     @property
@@ -138,7 +149,10 @@ class KvSession:
         if self.fault and self.options.strict:
             raise pytest.UsageError(f"--kv-strict: refusing to qualify with the seeded worker "
                                     f"fault ${protocol.FAULT_ENV}={self.fault} set")
-        self.selection.start()
+        try:
+            self.selection.start()
+        finally:
+            self._resume_collector()  # the stack is imported: what it made is frozen
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         v = compat.versions()
@@ -151,8 +165,6 @@ class KvSession:
         broken = None if self.selection.remote else compat.production_import_error()
         if broken:
             lines.append(import_error_line(broken))
-        elif not self.selection.remote and compat.omni_installed():
-            lines.append(worker_path_line())
         if self.swept:
             lines.append(f"kvconform: removed {len(self.swept)} temporary "
                          f"{'directory' if len(self.swept) == 1 else 'directories'} left by "
@@ -161,10 +173,3 @@ class KvSession:
             lines.append(f"kvconform: WARNING: seeded worker fault {self.fault!r} is active "
                          "(KVCONFORM_WORKER_FAULT); results do not qualify anything")
         return lines
-
-
-def worker_path_line() -> str:
-    """Which production entry point KV-A (and KV-L6) hand the configs to on this host."""
-    from pytest_kvconform.adapters import entry_points
-
-    return f"kvconform: KV-A worker path: {entry_points.entry_point().chain(entry_points.UNI)}"

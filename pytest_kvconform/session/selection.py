@@ -127,12 +127,6 @@ class KvSelection:
                 self.plugins = load_plugins(self.options.plugins)
                 self.discovery = discover(hook_results, origins=self.plugins,
                                           only=self.options.backends or None)
-                if compat.omni_installed() and compat.production_import_error() is None:
-                    # Detecting KV-A's entry point imports production's worker, whose
-                    # optional dependencies print when absent (transformers, torchvision).
-                    from pytest_kvconform.adapters import entry_points
-
-                    entry_points.entry_point()
         except DiscoveryError as exc:
             raise pytest.UsageError(f"kvconform: {exc}") from None
         self.discovery_seconds = time.monotonic() - started

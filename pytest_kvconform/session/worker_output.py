@@ -9,6 +9,11 @@ how much there was, ``-v`` shows every message, and the report keeps them
 (``environment.worker_log``), as the import log's.  Under xdist each worker hands its own
 to the controller (``workeroutput``), which reports them all, each source prefixed with
 the xdist worker's id.
+
+It also names the production entry point the run's KV-A workers said they run
+(``adapters/entry_points.py``; each worker detects it at start-up, where production's
+worker is imported anyway), so the test process never imports production's worker
+only to name it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pytest_kvconform.session.options import Options
 from pytest_kvconform.workers import pool, worker_log
 
 OUTPUT_KEY = "kvconform_worker_log"  # workeroutput: an xdist worker's messages
+ENTRY_POINT_KEY = "kvconform_entry_point"  # workeroutput: what its KV-A workers reported
 PLUGIN_NAME = "kvconform-worker-output"
 # How long the end of the run waits for the workers' last teardowns (their output with it).
 SETTLE_S = 10.0
@@ -36,20 +42,29 @@ class KvWorkerOutput:
         self.start = worker_log.mark()  # before this run starts any worker
         self.own: list[dict[str, Any]] | None = None  # None until the run ended
         self.remote: dict[str, list[dict[str, Any]]] = {}  # xdist worker id -> its messages
+        self._handed_before = pool.handed_out()[0]
+        # What this run's KV-A workers reported (``pool.handed_out``); None if none ran.
+        self.entry_point: dict[str, Any] | None = None
 
     def finish(self) -> None:
         """The run ended: read what was printed since it started (an xdist worker hands it
         to its controller)."""
         pool.settle(SETTLE_S)
         self.own = worker_log.since(self.start)
+        handed, entry_point = pool.handed_out()
+        if handed > self._handed_before:
+            self.entry_point = entry_point
         workeroutput = getattr(self.config, "workeroutput", None)
         if workeroutput is not None:
             workeroutput[OUTPUT_KEY] = self.own
+            workeroutput[ENTRY_POINT_KEY] = self.entry_point
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         """xdist controller: an xdist worker's messages."""
-        messages = (getattr(node, "workeroutput", None) or {}).get(OUTPUT_KEY)
+        output = getattr(node, "workeroutput", None) or {}
+        self.entry_point = self.entry_point or output.get(ENTRY_POINT_KEY)
+        messages = output.get(OUTPUT_KEY)
         if messages is not None:
             worker = str((getattr(node, "workerinput", None) or {}).get("workerid", "?"))
             self.remote[worker] = messages
@@ -65,9 +80,22 @@ class KvWorkerOutput:
                          for m in self.remote[worker]]
         return messages
 
+    def path_line(self) -> str | None:
+        """Which production entry point KV-A (and KV-L6) handed the configs to, as the
+        run's KV-A workers reported it; None when no KV-A worker ran."""
+        if self.entry_point is None:
+            return None
+        from pytest_kvconform.adapters import entry_points
+
+        point = entry_points.EntryPoint(**self.entry_point)
+        return f"kvconform: KV-A worker path: {point.chain(entry_points.UNI)}"
+
     def summary_lines(self) -> list[str]:
-        """The terminal summary's account: one line, every message with ``-v``."""
-        return run_env.printed_lines(self.record() or [], "production's KV-A workers printed",
-                                     worker_log.WORKER_LOG_KEY,
-                                     verbose=self.config.getoption("verbose", 0) > 0,
-                                     report=self.options.report is not None)
+        """The terminal summary's account: the worker path, then one line for what the
+        workers printed (every message with ``-v``)."""
+        path = self.path_line()
+        printed = run_env.printed_lines(self.record() or [], "production's KV-A workers printed",
+                                        worker_log.WORKER_LOG_KEY,
+                                        verbose=self.config.getoption("verbose", 0) > 0,
+                                        report=self.options.report is not None)
+        return ([path] if path else []) + printed

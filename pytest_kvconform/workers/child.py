@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pytest_kvconform.adapters import fault_hook, worker_seams
+from pytest_kvconform.adapters import fault_hook, heap, worker_seams
 from pytest_kvconform.adapters.worker_extension import process_identity
 from pytest_kvconform.contract import memory
 from pytest_kvconform.contract.memory import is_out_of_memory
@@ -70,6 +70,7 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
     fault_hook.mark_pid("worker")  # $PIDDIR_ENV: a refusal is a line in this log, no more
     started = time.monotonic()
     plugins = None
+    collecting = heap.pause()  # for the imports (a spawned worker's are the stack's)
     try:
         _refuse_inherited_cuda()
         for name in preload:
@@ -82,9 +83,7 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
         traceback.print_exc()
         _reply(conn, {"ok": False, "error": repr(exc), "traceback": traceback.format_exc()})
         return
-    import gc
-
-    gc.freeze()  # the imports' objects: never walked by the collections production runs
+    heap.resume(collecting)  # the imports' objects: never walked by production's collections
     from dataclasses import asdict
 
     from pytest_kvconform.adapters import engine, entry_points

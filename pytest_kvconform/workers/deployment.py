@@ -86,8 +86,8 @@ class ParentDeployment:
                     self.command(spec, rank, control, od)), "rank_start")
                 self.executor = _pipe_executor_class()(
                     od, self.handles, gathered=point.level == entry_points.EXECUTOR)
-                self.report = engine.run_control_plane(self.executor, od, spec, prepin=prepin)
-            self.report.via = point.chain(entry_points.PIPE)
+                self.report = engine.run_control_plane(
+                    self.executor, od, spec, via=point.chain(entry_points.PIPE), prepin=prepin)
         except BaseException:
             self.close()
             raise

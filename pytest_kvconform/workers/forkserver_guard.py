@@ -4,12 +4,14 @@ Imported inside the server before the slow vLLM / vllm-omni imports, so a test p
 SIGKILLed while the server still imports leaves no server behind (multiprocessing's
 server only notices its parent's end between requests).  Also sends the server's
 output to its log file, and exits if the server would import another copy of this
-package than its parent (its workers would run that copy's code).  Anywhere else
-(the variables unset) importing it does nothing.
+package than its parent (its workers would run that copy's code).  And pauses the garbage
+collector for the imports (``forkserver_ready`` freezes what they made and resumes it; why:
+``adapters/heap.py``).  Anywhere else (the variables unset) importing it does nothing.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 
@@ -33,7 +35,8 @@ def _arm() -> None:
     if os.getppid() != int(parent):  # the parent died before the signal was armed
         os._exit(lifetime.EXIT_ORPHANED)
     DIRECTORY = directory
-    if directory:
+    if directory:  # forkserver_ready resumes the collector where this is set
+        gc.disable()  # the preload's imports: nothing they make is garbage worth the walks
         fd = os.open(os.path.join(directory, "server.log"),
                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)

@@ -3,7 +3,8 @@
 The test process waits for this marker, bounded, before it asks the server to fork
 (``Process.start`` would otherwise block, unbounded, behind the imports).  The
 objects the imports made are frozen out of the garbage collector's reach first, so
-no forked worker's collections walk them (nor copy their pages).  Anywhere
+no forked worker's collections walk them (nor copy their pages), and the collector the
+guard paused for the imports runs again.  Anywhere
 else (the directory unset) importing it does nothing.
 """
 
@@ -19,6 +20,7 @@ def _mark() -> None:
         import gc
 
         gc.freeze()  # what the server imported: out of every collection, in every fork
+        gc.enable()  # paused by forkserver_guard for the imports
         with open(os.path.join(forkserver_guard.DIRECTORY, "ready"), "w"):
             pass
 

@@ -52,6 +52,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from pytest_kvconform.workers import forkserver, lifetime, tempdirs
 from pytest_kvconform.workers.handle import WorkerHandle, server_preload, start_method
@@ -75,6 +76,10 @@ class WorkerPool:
         # Started before collection on the guess that KV-A tests will be selected.
         self.speculative: set[Key] = set()
         self._server_held = False  # this pool counts as a user of the fork server
+        # Workers handed to checks, and the production entry point the last of them said
+        # it runs (their start-up report): a run's account of the path KV-A took.
+        self.handed_out = 0
+        self.entry_point: dict[str, Any] | None = None
 
     @staticmethod
     def keys(devices: Sequence[str]) -> list[Key]:
@@ -131,6 +136,8 @@ class WorkerPool:
         self._start_spare(devices, keys)
         for handle in handles:
             handle.wait_ready()
+        self.handed_out += len(handles)
+        self.entry_point = handles[0].info.get("entry_point") or self.entry_point
         return handles
 
     def _start_spare(self, devices: Sequence[str], taken: Sequence[Key]) -> None:
@@ -224,6 +231,12 @@ def settle(timeout: float) -> None:
     """:meth:`WorkerPool.settle` of the shared pool, if there is one."""
     if _pool is not None:
         _pool.settle(timeout)
+
+
+def handed_out() -> tuple[int, dict[str, Any] | None]:
+    """How many workers the shared pool handed to checks, and the entry point the last of
+    them reported (``child.py``'s start-up reply; None where no stack is preloaded)."""
+    return (_pool.handed_out, _pool.entry_point) if _pool is not None else (0, None)
 
 
 def launch_pending() -> int:

@@ -68,13 +68,6 @@ def test_a_run_turns_humming_builds_off_unless_the_user_chose(
 
 
 
-def test_freeze_and_thaw_the_heap() -> None:
-    try:
-        assert run_env.freeze_heap() == gc.get_freeze_count() > 0
-    finally:
-        run_env.thaw_heap()
-    assert gc.get_freeze_count() == 0
-
 
 @pytest.mark.parametrize("user_level", [None, "INFO"], ids=["unset", "user_set"])
 def test_applied_quiets_a_vllm_imported_before_it(

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from pytest_kvconform.report import build as report
-from pytest_kvconform.session.worker_output import OUTPUT_KEY, KvWorkerOutput
+from pytest_kvconform.session.worker_output import ENTRY_POINT_KEY, OUTPUT_KEY, KvWorkerOutput
 from tests.conftest import needs_omni
 
 
@@ -41,6 +41,24 @@ def test_the_controller_reports_each_xdist_workers_output_after_its_own() -> Non
         "kvconform:   | [fork server] WARNING [x.py:1] the server's",
         "kvconform:   | [gw0 KV-A worker cpu-0] first",
         "kvconform:   | [gw1 KV-A worker cpu-0] second"]
+
+
+def test_the_worker_path_is_the_one_the_kv_a_workers_reported() -> None:
+    """The test process never detects it itself (that imports production's worker): an
+    xdist controller takes it from its workers' output, and a run without KV-A workers
+    names none."""
+    output = _output()
+    output.own = []
+    output.pytest_testnodedown(types.SimpleNamespace(workeroutput={ENTRY_POINT_KEY: None}),
+                               None)
+    assert output.summary_lines() == []
+    reported = {"level": "runner", "why_not_executor": "import x fails"}
+    output.pytest_testnodedown(types.SimpleNamespace(workeroutput={ENTRY_POINT_KEY: reported}),
+                               None)
+    assert output.summary_lines() == [
+        "kvconform: KV-A worker path: DiffusionModelRunner.set_kv_cache_config -> "
+        "DiffusionKVModelRunnerBackend.initialize_kv_cache (DiffusionWorker and the executors "
+        "cannot run here: import x fails)"]
 
 
 def test_nothing_is_reported_before_the_run_ended_nor_said_when_nothing_was_printed() -> None:
@@ -84,6 +102,16 @@ def test_noisy_worker(kv_workers):
 
 RESET_SSM = "Reset SSM cache type to float32"
 
+# What the test process itself imported and how it collected, seen at the run's end.
+SEEN_AT_END = '''
+import gc, json, sys
+
+def pytest_sessionfinish(session):
+    with open("seen.json", "w") as f:
+        json.dump({"worker": "vllm_omni.diffusion.worker.diffusion_worker" in sys.modules,
+                   "collecting": gc.isenabled(), "frozen": gc.get_freeze_count()}, f)
+'''
+
 
 @needs_omni
 def test_a_kv_a_runs_worker_output_is_counted_shown_with_v_and_reported_not_printed(
@@ -91,7 +119,8 @@ def test_a_kv_a_runs_worker_output_is_counted_shown_with_v_and_reported_not_prin
     """A real KV-A run in a process of its own, whose descriptors are the terminal's, on a
     host where production warns at every config: no line of it among pytest's progress
     lines, one count line, every message with -v, all in the report."""
-    pytester.makepyfile(sitecustomize=AVX512_BF16, test_noisy=NOISY_WORKERS)
+    pytester.makepyfile(sitecustomize=AVX512_BF16, test_noisy=NOISY_WORKERS,
+                        conftest=SEEN_AT_END)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         filter(None, [str(pytester.path), os.environ.get("PYTHONPATH")])))
     result = pytester.runpytest_subprocess(
@@ -124,6 +153,12 @@ def test_a_kv_a_runs_worker_output_is_counted_shown_with_v_and_reported_not_prin
     markdown = (pytester.path / "r.md").read_text()
     assert "### Output of production's KV-A workers" in markdown
     assert "kvconform-test: a worker's stderr line" in markdown and RESET_SSM in markdown
+    # The path KV-A took is the one its workers reported: production's worker is imported
+    # there (the fork server's preload), never in the test process (2.5 s: RESULTS.md).
+    result.stdout.fnmatch_lines(["kvconform: KV-A worker path: *DiffusionModelRunner*"])
+    seen = json.loads((pytester.path / "seen.json").read_text())
+    assert seen == {"worker": False, "collecting": True, "frozen": seen["frozen"]}, seen
+    assert seen["frozen"] > 100_000  # what the stack's import made, out of the tests' walks
 
 
 @needs_omni
