@@ -7,12 +7,15 @@ Run in the default environment:  python benchmarks/bench_goals.py [--label L] [-
 - ``floor``: a fresh interpreter importing ``vllm_omni.diffusion.diffusion_kv.layout``;
   ``floor_quiet``: the same with ``HUMMING_DISABLE_PARALLEL_BUILD=1`` (that import starts two
   background kernel builds, each a Python process of its own, which the suite turns off);
+  ``floor_frozen``: the same import with the garbage collector paused for it and the heap
+  frozen after it (``adapters/heap.py``'s treatment, which a run gives the stack: what the
+  floor would cost if it did the same);
 - ``serial`` / ``xdist2``: the full ``pytest --kv-conformance`` suite, serial and ``-n 2``;
   ``scoped``: a backend repository's run, ``--kv-backend FLASH_ATTN`` (the in-tree backend
   production serves paged KV with), serial;
-  ``serial_baseline``: with ``--baseline DIR``, the serial suite again with the plugin
-  another checkout holds (say, main), in the same rounds, for a before / after under the
-  same load;
+  ``serial_baseline`` / ``scoped_baseline``: with ``--baseline DIR``, the serial suite and
+  the scoped run again with the plugin another checkout holds (say, main), in the same
+  rounds, for a before / after under the same load;
 - ``worker_start``: one pooled KV-A worker, from nothing to ready (``WorkerPool.get``: a
   spawned worker's imports, or the fork server's imports and a fork); ``worker_next``: a
   second one once the first is ready (another spawn's imports, or just a fork);
@@ -42,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = "import vllm_omni.diffusion.diffusion_kv.layout"
+FLOOR_FROZEN = f"import gc; gc.disable(); {FLOOR}; gc.freeze(); gc.enable()"
 WORKER = ("import time; from pytest_kvconform.workers import pool as workers; "
           "t = time.perf_counter(); "
           "workers.pool().get(['cpu']); print(time.perf_counter() - t); "
@@ -136,27 +140,33 @@ def main() -> int:
         return seconds
 
     with tempfile.TemporaryDirectory() as tmp:
-        rounds: dict[str, list[float]] = {"floor": [], "floor_quiet": [], "serial": [],
-                                          "xdist2": [], "serial_baseline": [], "scoped": []}
+        rounds: dict[str, list[float]] = {"floor": [], "floor_quiet": [], "floor_frozen": [],
+                                          "serial": [],
+                                          "xdist2": [], "serial_baseline": [], "scoped": [],
+                                          "scoped_baseline": []}
         base = os.path.abspath(args.baseline) if args.baseline else None
         for i in range(args.suite_repeat):
             tag = f" #{i + 1}" if args.suite_repeat > 1 else ""
             rounds["floor"].append(measure("floor" + tag, [py, "-c", FLOOR], tmp))
             rounds["floor_quiet"].append(measure("floor_quiet" + tag, [py, "-c", FLOOR], tmp,
                                                  HUMMING_DISABLE_PARALLEL_BUILD="1"))
-            serials: list[tuple[str, list[str], dict[str, str]]] = [("serial", suite, {})]
-            if base is not None:  # each first in every other round
-                serials.insert(i % 2, ("serial_baseline", suite, {"PYTHONPATH": os.pathsep.join(
-                    (base, os.path.join(base, "benchmarks")))}))
-            for name, cmd, extra in serials:
-                rounds[name].append(measure(name + tag, cmd, tmp, **extra))
-            rounds["xdist2"].append(measure("xdist2" + tag, [*suite, "-n", "2"], tmp))
-            rounds["scoped"].append(measure("scoped" + tag,
-                                            [*suite, "--kv-backend", "FLASH_ATTN"], tmp))
-        floor, quiet, serial, xdist2, scoped = (
+            rounds["floor_frozen"].append(measure("floor_frozen" + tag,
+                                                  [py, "-c", FLOOR_FROZEN], tmp))
+            scoped_run = [*suite, "--kv-backend", "FLASH_ATTN"]
+            for kind, cmd in (("serial", suite), ("scoped", scoped_run)):
+                variants: list[tuple[str, dict[str, str]]] = [(kind, {})]
+                if base is not None:  # each first in every other round
+                    variants.insert(i % 2, (f"{kind}_baseline", {"PYTHONPATH": os.pathsep.join(
+                        (base, os.path.join(base, "benchmarks")))}))
+                for name, extra in variants:
+                    rounds[name].append(measure(name + tag, cmd, tmp, **extra))
+                if kind == "serial":
+                    rounds["xdist2"].append(measure("xdist2" + tag, [*suite, "-n", "2"], tmp))
+        floor, quiet, frozen, serial, xdist2, scoped = (
             statistics.median(rounds[k]) if rounds[k] else float("nan")
-            for k in ("floor", "floor_quiet", "serial", "xdist2", "scoped"))
-        baseline = statistics.median(rounds["serial_baseline"]) if base else float("nan")
+            for k in ("floor", "floor_quiet", "floor_frozen", "serial", "xdist2", "scoped"))
+        baseline, scoped_base = (statistics.median(rounds[k]) if base else float("nan")
+                                 for k in ("serial_baseline", "scoped_baseline"))
         if args.suite_repeat > 1:
             for name, values in rounds.items():
                 if not values:
@@ -205,6 +215,10 @@ def main() -> int:
         (f"baseline serial / import floor ({args.baseline})", baseline / floor, "(<= 1.6)"),
         ("-n 2 / serial", xdist2 / serial, "<= 1.0"),
         ("backend-scoped (--kv-backend FLASH_ATTN) / import floor", scoped / floor, "<= 1.3"),
+        (f"baseline backend-scoped / import floor ({args.baseline})", scoped_base / floor,
+         "(<= 1.3)"),
+        ("backend-scoped / frozen import floor", scoped / frozen, "(<= 1.3)"),
+        ("serial / frozen import floor", serial / frozen, "(<= 1.6)"),
         ("extra adoption case / worker start", per_case / start_s, "<= 0.02"),
         ("plugin off / -p no:kvconform", off / none, "<= 1.02"),
         ("plugin off / -p no:kvconform, CPU seconds", off_cpu / none_cpu, "(<= 1.02)"),
