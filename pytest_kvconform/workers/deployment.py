@@ -47,14 +47,9 @@ class ChildDeployment:
     def __init__(self, handle: WorkerHandle, spec: EngineSpec, *, control: str | None,
                  prepin: str | None, visible_devices: str | None) -> None:
         self.handle = handle
-        handle.send(self.command(spec, control, prepin, visible_devices))
+        handle.send({"cmd": "engine_run", "spec": spec, "control": control, "prepin": prepin,
+                     "visible_devices": visible_devices})
         self.report: EngineReport = handle.receive("engine_run")
-
-    @staticmethod
-    def command(spec: EngineSpec, control: str | None, prepin: str | None,
-                visible_devices: str | None) -> dict[str, Any]:
-        return {"cmd": "engine_run", "spec": spec, "control": control, "prepin": prepin,
-                "visible_devices": visible_devices}
 
     def call(self, method: str, rank: int, *args: Any) -> Any:
         return self.handle.engine_call(method, rank, *args)
@@ -81,9 +76,11 @@ class ParentDeployment:
             with engine.backend_selected(spec) as selected, \
                     fault_hook.seeded(fault_hook.active()):
                 self.started = self.handles
-                od = self.od(spec, selected)
+                # The od_config the control plane here hands every rank.
+                od = engine.od_config(spec, selected, executor_backend=None)
                 _all(self.handles, lambda rank, handle: handle.send(
-                    self.command(spec, rank, control, od)), "rank_start")
+                    {"cmd": "rank_start", "spec": spec, "rank": rank, "control": control,
+                     "od": od}), "rank_start")
                 self.executor = _pipe_executor_class()(
                     od, self.handles, gathered=point.level == entry_points.EXECUTOR)
                 self.report = engine.run_control_plane(
@@ -91,15 +88,6 @@ class ParentDeployment:
         except BaseException:
             self.close()
             raise
-
-    @staticmethod
-    def od(spec: EngineSpec, selected: str) -> Any:
-        """The ``od_config`` the control plane here hands every rank."""
-        return engine.od_config(spec, selected, executor_backend=None)
-
-    @staticmethod
-    def command(spec: EngineSpec, rank: int, control: str | None, od: Any) -> dict[str, Any]:
-        return {"cmd": "rank_start", "spec": spec, "rank": rank, "control": control, "od": od}
 
     def call(self, method: str, rank: int, *args: Any) -> Any:
         return self.executor.collective_rpc(method, args=args, unique_reply_rank=rank)
