@@ -38,7 +38,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_kvconform.adapters import fault_hook, tiny_pipeline, worker_extension, worker_seams
+from pytest_kvconform.adapters import (
+    fault_hook,
+    run_env,
+    tiny_pipeline,
+    worker_extension,
+    worker_seams,
+)
 from pytest_kvconform.adapters.entry_points import (
     EXECUTOR,
     RUNNER,
@@ -149,23 +155,15 @@ def backend_selected(spec: EngineSpec) -> Iterator[str]:
     """The registry name this deployment selects; a backend that is no registry member is
     plugged in over one, as a backend repository does (also in production's spawned
     workers, through :data:`worker_extension.OVERRIDE_ENV`)."""
-    import os
-
     from pytest_kvconform.adapters import compat
 
     with compat.backend_selected(spec.backend, dotted(spec.backend_path)) as selected:
         if selected == spec.backend:
             yield selected
             return
-        previous = os.environ.get(worker_extension.OVERRIDE_ENV)
-        os.environ[worker_extension.OVERRIDE_ENV] = f"{selected}={dotted(spec.backend_path)}"
-        try:
+        with run_env.variable_set(worker_extension.OVERRIDE_ENV,
+                                  f"{selected}={dotted(spec.backend_path)}"):
             yield selected
-        finally:
-            if previous is None:
-                os.environ.pop(worker_extension.OVERRIDE_ENV, None)
-            else:
-                os.environ[worker_extension.OVERRIDE_ENV] = previous
 
 
 # --- the control plane's instruments ------------------------------------------------
@@ -312,7 +310,7 @@ def run_control_plane(executor: Any, od: Any, spec: EngineSpec, *, via: str,
         report.error = error_record(exc, "set_kv_cache_configs"
                                     if "configs" in sent and stage != "observation" else stage)
         with contextlib.suppress(Exception):
-            report.pinned = _CONTROL_PLANE_CONFIGS[-1].cache_config.kv_cache_layout
+            report.pinned = last_control_plane_config().cache_config.kv_cache_layout
         with contextlib.suppress(Exception):
             report.layer_backends = on_ranks("kvconform_layer_backends")
     finally:

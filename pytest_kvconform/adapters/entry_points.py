@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pytest_kvconform.adapters import worker_seams
 
@@ -60,6 +62,12 @@ class EntryPoint:
                     "DiffusionKVModelRunnerBackend.initialize_kv_cache (DiffusionWorker and "
                     f"the executors cannot run here: {self.why_not_executor})")
         return f"nothing: no production worker entry point runs here ({self.why_not_runner})"
+
+
+def reported(point: Mapping[str, Any] | None) -> EntryPoint:
+    """The entry point a KV-A worker reported at start-up (``workers/child.py``, as
+    :func:`dataclasses.asdict`); none where it preloaded no stack."""
+    return EntryPoint(**(point or {"level": ""}))
 
 
 def _import_error(module: str) -> str | None:

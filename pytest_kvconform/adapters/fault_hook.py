@@ -25,7 +25,7 @@ import os
 from collections.abc import Iterator
 from typing import Any, Protocol, cast
 
-from pytest_kvconform.adapters import source_rewrite
+from pytest_kvconform.adapters import run_env, source_rewrite
 from pytest_kvconform.adapters.source_rewrite import Regression
 
 FAULT_ENV = "KVCONFORM_WORKER_FAULT"
@@ -110,19 +110,14 @@ def seeded(fault: str | None, control_ref: str | None = None) -> Iterator[None]:
         faults = hook(f"seeded fault {fault!r}")
         regressions += faults.regressions(fault)
         rest = faults.seeded(fault)
-    previous = os.environ.get(CONTROL_ENV)
-    with source_rewrite.applied(regressions), rest:
+    exported = (run_env.variable_set(CONTROL_ENV, control_ref) if control_ref
+                else contextlib.nullcontext())
+    with source_rewrite.applied(regressions), rest, exported:
         _SEEDED_HERE.append(control_ref)
-        if control_ref:
-            os.environ[CONTROL_ENV] = control_ref
         try:
             yield
         finally:
             _SEEDED_HERE.pop()
-            if previous is None:
-                os.environ.pop(CONTROL_ENV, None)
-            else:
-                os.environ[CONTROL_ENV] = previous
 
 
 def inherited() -> contextlib.AbstractContextManager[None]:

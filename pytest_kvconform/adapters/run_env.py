@@ -64,6 +64,27 @@ def restore(added: list[str]) -> None:
         os.environ.pop(name, None)
 
 
+@contextlib.contextmanager
+def variable_set(name: str, value: str | None) -> Iterator[None]:
+    """For the duration: ``$name`` is ``value`` (unset when None); afterwards as it was.
+
+    How the harness tells a process it starts (production's spawned workers, a worker's own
+    deployment) what this one is doing; set in this process's environment because that is
+    what those processes inherit."""
+    previous = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
 def header_line(added: list[str]) -> str | None:
     """The run header's account of what this run set (None when it set nothing)."""
     if not added:

@@ -1,7 +1,7 @@
 """The process faults: a KV-A worker that hangs, dies or runs out of memory while adopting.
 
 Each must end its test as a harness error naming what happened, and the run go on
-(``tests/test_seeded_process.py``).
+(``tests/seeded/test_process.py``).
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ is caught when one of their results fails that passes without it.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from pytest_kvconform.adapters import run_env
 from pytest_kvconform.adapters.fault_hook import FAULT_ENV
 from pytest_kvconform.contract.clauses import parse_clause
 from pytest_kvconform.faults import plants
@@ -74,21 +74,9 @@ class Fault:
             yield
 
 
-@contextlib.contextmanager
-def worker_faults(names: tuple[str, ...]) -> Iterator[None]:
+def worker_faults(names: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
     """For the duration: ``$KVCONFORM_WORKER_FAULT`` names ``names`` (unset if none)."""
-    saved = os.environ.get(FAULT_ENV)
-    if names:
-        os.environ[FAULT_ENV] = ",".join(names)
-    else:
-        os.environ.pop(FAULT_ENV, None)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(FAULT_ENV, None)
-        else:
-            os.environ[FAULT_ENV] = saved
+    return run_env.variable_set(FAULT_ENV, ",".join(names) or None)
 
 
 def _worker(name: str, clauses: tuple[str, ...], cases: tuple[str, ...] = ("bf16_h8",),

@@ -87,8 +87,8 @@ class KvWorkerOutput:
             return None
         from pytest_kvconform.adapters import entry_points
 
-        point = entry_points.EntryPoint(**self.entry_point)
-        return f"kvconform: KV-A worker path: {point.chain(entry_points.UNI)}"
+        chain = entry_points.reported(self.entry_point).chain(entry_points.UNI)
+        return f"kvconform: KV-A worker path: {chain}"
 
     def summary_lines(self) -> list[str]:
         """The terminal summary's account: the worker path, then one line for what the

@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pytest_kvconform.adapters import fault_hook, heap, worker_seams
+from pytest_kvconform.adapters import fault_hook, heap, run_env, worker_seams
 from pytest_kvconform.adapters.worker_extension import process_identity
 from pytest_kvconform.contract import memory
 from pytest_kvconform.contract.memory import is_out_of_memory
@@ -111,8 +111,6 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
             reply = {"ok": False, "oom": {"asked": exc.asked, "free": exc.free},
                      "error": f"{type(exc.error).__name__}: {exc.error}"}
         except Exception as exc:
-            from pytest_kvconform.adapters import engine, entry_points
-
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc(),
                      "record": engine.error_record(exc, message.get("cmd", ""))}
@@ -308,12 +306,5 @@ def _visible_devices(value: str | None) -> Iterator[None]:
     if value is None:
         yield
         return
-    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = value
-    try:
+    with run_env.variable_set("CUDA_VISIBLE_DEVICES", value):
         yield
-    finally:
-        if previous is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = previous

@@ -33,7 +33,7 @@ from pytest_kvconform.workers.protocol import WorkerError
 
 def _entry_point(handles: Sequence[WorkerHandle]) -> entry_points.EntryPoint:
     info = handles[0].wait_ready() if handles else {}
-    return entry_points.EntryPoint(**(info.get("entry_point") or {"level": ""}))
+    return entry_points.reported(info.get("entry_point"))
 
 
 def level(handles: Sequence[WorkerHandle]) -> str:

@@ -11,10 +11,10 @@ collector for the imports (``forkserver_ready`` freezes what they made and resum
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 
+from pytest_kvconform.adapters import heap
 from pytest_kvconform.workers import lifetime
 
 _PARENT_ENV = "KVCONFORM_FORKSERVER_PARENT"  # forkserver.PARENT_ENV (same layer, kept apart)
@@ -36,7 +36,7 @@ def _arm() -> None:
         os._exit(lifetime.EXIT_ORPHANED)
     DIRECTORY = directory
     if directory:  # forkserver_ready resumes the collector where this is set
-        gc.disable()  # the preload's imports: nothing they make is garbage worth the walks
+        heap.pause()  # the preload's imports: nothing they make is garbage worth the walks
         fd = os.open(os.path.join(directory, "server.log"),
                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import os
 
+from pytest_kvconform.adapters import heap
 from pytest_kvconform.workers import forkserver_guard
 
 
 def _mark() -> None:
     if forkserver_guard.DIRECTORY:
-        import gc
-
-        gc.freeze()  # what the server imported: out of every collection, in every fork
-        gc.enable()  # paused by forkserver_guard for the imports
+        # What the server imported: out of every collection, in every fork; the collector
+        # forkserver_guard paused for the imports (in a fresh interpreter, on) runs again.
+        heap.resume(True)
         with open(os.path.join(forkserver_guard.DIRECTORY, "ready"), "w"):
             pass
 

@@ -289,3 +289,18 @@ def test_the_stacks_import_output_stays_out_of_the_terminal_before_the_header(
     assert "[ERROR] kvconform-test: a noisy import" in texts
     assert "kvconform-test: C-level noise" in texts
     assert any(t.endswith("kvconform-test: a vLLM warning") for t in texts), texts
+
+
+@pytest.mark.parametrize("before", [None, "theirs"], ids=["unset", "set"])
+@pytest.mark.parametrize("value", [None, "ours"], ids=["unset_it", "set_it"])
+def test_variable_set_holds_for_the_block_and_restores_what_was_there(
+        monkeypatch: pytest.MonkeyPatch, before: str | None, value: str | None) -> None:
+    name = "KVCONFORM_TEST_VARIABLE"
+    if before is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, before)
+    with pytest.raises(RuntimeError), run_env.variable_set(name, value):
+        assert os.environ.get(name) == value
+        raise RuntimeError("restored however the block ends")
+    assert os.environ.get(name) == before
