@@ -27,7 +27,9 @@ def test_resume_restores_the_collector_as_pause_found_it(on: bool) -> None:
 
 def test_freeze_and_thaw() -> None:
     try:
-        assert heap.freeze() == gc.get_freeze_count() > 0
+        frozen = heap.freeze()
+        # Frozen objects freed since (any deallocation) leave the count; none join it.
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         heap.thaw()
     assert gc.get_freeze_count() == 0
