@@ -8,12 +8,11 @@ that says what kept and refused mean, as a :data:`Problem` or None.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from pytest_kvconform.adapters import compat
+from pytest_kvconform.adapters import compat, run_env
 from pytest_kvconform.checks.common import Problems
 from pytest_kvconform.contract import oracle
 
@@ -96,28 +95,11 @@ def add_problem(problems: Problems, what: str, problem: Problem, layout: str, ve
     problems.add(f"{what}, but {verb} {detail}", layout=layout, expected=expected, actual=actual)
 
 
-@contextlib.contextmanager
-def _env_var(name: str, value: str | None) -> Iterator[None]:
-    """Set (or unset) an environment variable and restore it, whatever happens."""
-    old = os.environ.get(name)
-    try:
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def _env_problem(need: bool, value: str, consistent: bool, device: str) -> Problem | None:
     """Resolve a production config built under ``VLLM_KV_CACHE_LAYOUT=value``."""
     var = compat.LAYOUT_ENV_VAR
     expected = value if consistent else f"ValueError naming {value} or {var}"
-    with _env_var(var, value):
+    with run_env.variable_set(var, value):
         try:
             vllm_config = compat.production_vllm_config(device)
             got = resolve(vllm_config, need)
