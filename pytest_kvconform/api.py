@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from pytest_kvconform.adapters import run_env
 from pytest_kvconform.checks.arguments import Sources, arguments, expand
-from pytest_kvconform.checks.common import via_recorded
+from pytest_kvconform.checks.common import run_in_child, via_recorded
 from pytest_kvconform.contract import clauses as clauses_mod
 from pytest_kvconform.contract.outcome_rule import harness_kind
 from pytest_kvconform.contract.outcomes import (
@@ -46,7 +46,7 @@ from pytest_kvconform.contract.outcomes import (
     describe_error,
 )
 from pytest_kvconform.contract.records import BackendUnderTest, Case
-from pytest_kvconform.workers import budget, protocol
+from pytest_kvconform.workers import budget, isolated, protocol
 
 Status = Literal["passed", "failed", "skipped", "error"]
 STATUSES: tuple[Status, ...] = ("passed", "failed", "skipped", "error")
@@ -171,8 +171,9 @@ def backend_under_test(backend: Any) -> BackendUnderTest:
         return backend
     from pytest_kvconform.adapters import discovery
 
+    guard = isolated.probe(budget.DEFAULT_TIMEOUT_S)  # an import that hangs: never here
     if isinstance(backend, str):
-        registry, note = discovery.registry_backends()
+        registry, note = discovery.registry_backends(guard=guard)
         for found in registry:
             if found.name == backend:
                 return found
@@ -180,6 +181,9 @@ def backend_under_test(backend: Any) -> BackendUnderTest:
             names = ", ".join(b.name for b in registry) or f"none ({note})"
             raise ValueError(f"check_backend: unknown backend {backend!r}; registry backends: "
                              f"{names}; or pass the class or its import path")
+        refused = discovery.guard_import(guard, backend, backend)
+        if refused is not None:
+            return BackendUnderTest(backend, backend, API_SOURCE, error=refused)
         try:
             cls = discovery.import_object(backend)
         except Exception as exc:  # reported by every clause as the backend's skip
@@ -197,7 +201,7 @@ def _from_class(cls: type) -> BackendUnderTest:
     from pytest_kvconform.adapters import compat, discovery
 
     if compat.omni_installed():
-        registry, _ = discovery.registry_backends()
+        registry, _ = discovery.registry_backends(guard=isolated.probe(budget.DEFAULT_TIMEOUT_S))
         for found in registry:
             if found.cls is cls:
                 return found
@@ -334,9 +338,13 @@ def _execute_check(run: _Run, device: str, kv_workers: Any,
     via: list[str] = []
     try:
         check = run.check.resolve()
+        args = _arguments(run, device, kv_workers, memory_fraction)
         with budget.per_test(budget.DEFAULT_TIMEOUT_S), \
                 via_recorded() as via:  # as --kv-timeout bounds a test
-            check(*_arguments(run, device, kv_workers, memory_fraction))
+            if run.check.isolated:  # as under pytest: in a child forked for it
+                run_in_child(check, args, clause=run.clause.id, backend=run.backend_label)
+            else:
+                check(*args)
     except (ClauseSkip, Unsupported) as exc:  # an adapter's absence: the running clause's skip
         skip = exc if isinstance(exc, ClauseSkip) else exc.skip(run.clause.id)
         status: Status = "skipped"

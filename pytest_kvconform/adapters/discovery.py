@@ -7,12 +7,20 @@ count), the current Omni platform's default choice, the
 entry-point group.  A backend that fails to import is still returned, with the
 error, so its tests report it instead of vanishing.  The result is sorted by
 name: every xdist worker must collect the same tests.
+
+Importing a backend runs its code in this process.  With a ``guard`` (the session's and
+``check_backend``'s: ``workers/isolated.probe``), each import that would run code not yet
+run here (a module not imported yet, an entry point, a callable entry point's call) is
+first made in a child process the guard can give up on: one that hangs (a loop holding the
+GIL included) or ends its process makes the backend unimportable, with that reason, and
+this process never runs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -25,6 +33,28 @@ from pytest_kvconform.contract.records import BackendUnderTest
 
 ENTRY_POINT_GROUP = "pytest_kvconform.backends"
 OMNI_MISSING = "vllm-omni not installed"
+# Runs ``fn`` (named ``what``) where the caller can give up on it: None when it returned or
+# raised (this process may do it too), else why not (it hung, or it ended its process).
+Guard = Callable[[str, Callable[[], object]], "str | None"]
+
+
+def unguarded(what: str, fn: Callable[[], object]) -> str | None:
+    """No guard: every import is made here, as it comes."""
+    return None
+
+
+def _module_of(spec: str) -> str:
+    return spec.partition(":")[0] if ":" in spec else spec.rpartition(".")[0]
+
+
+def guard_import(guard: Guard, spec: str, name: str) -> str | None:
+    """The guard's reason against importing ``spec`` here; None when its module is
+    imported already (no code of it left to run) or imported fine in the guard's child."""
+    module = _module_of(spec)
+    if not module or module in sys.modules:
+        return None
+    return guard(f"importing {module} (backend {name})",
+                 lambda: importlib.import_module(module))
 
 
 class Origins(Protocol):
@@ -76,10 +106,10 @@ def _path_of(cls: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def registry_backends(names: Collection[str] | None = None) -> tuple[
-        list[BackendUnderTest], str | None]:
+def registry_backends(names: Collection[str] | None = None, guard: Guard = unguarded
+                      ) -> tuple[list[BackendUnderTest], str | None]:
     """Every ``DiffusionAttentionBackendEnum`` member (those ``names`` names, when given:
-    the others are not imported), importable or not."""
+    the others are not imported), importable or not; each import through ``guard``."""
     if not compat.omni_installed():
         return [], OMNI_MISSING
     try:
@@ -99,6 +129,11 @@ def registry_backends(names: Collection[str] | None = None) -> tuple[
             found.append(BackendUnderTest(member.name, "", "registry", overridden,
                                           error=describe_error(exc)))
             continue
+        refused = guard_import(guard, str(path), member.name)
+        if refused is not None:
+            found.append(BackendUnderTest(member.name, path, "registry", overridden,
+                                          error=refused))
+            continue
         try:
             cls = member.get_class()
         except Exception as exc:
@@ -115,7 +150,7 @@ def _left_out(name: str, only: Collection[str] | None) -> bool:
 
 
 def platform_backend(known_paths: set[str], head_size: int = 64,
-                     only: Collection[str] | None = None) -> tuple[
+                     only: Collection[str] | None = None, guard: Guard = unguarded) -> tuple[
         BackendUnderTest | None, str | None]:
     """The current Omni platform's default backend, when it is not a registry member.
 
@@ -135,6 +170,9 @@ def platform_backend(known_paths: set[str], head_size: int = 64,
     origin = f"the Omni platform {_path_of(type(current_omni_platform))}"
     if _left_out(name, only):
         return BackendUnderTest(name, path, "platform", origin=origin), None
+    refused = guard_import(guard, path, name)
+    if refused is not None:
+        return BackendUnderTest(name, path, "platform", error=refused, origin=origin), None
     try:
         return BackendUnderTest(name, path, "platform", cls=import_object(path),
                                 origin=origin), None
@@ -143,7 +181,8 @@ def platform_backend(known_paths: set[str], head_size: int = 64,
                                 origin=origin), None
 
 
-def _from_mapping(mapping: Mapping[str, Any], source: str) -> list[BackendUnderTest]:
+def _from_mapping(mapping: Mapping[str, Any], source: str,
+                  guard: Guard = unguarded) -> list[BackendUnderTest]:
     if not isinstance(mapping, Mapping):
         raise DiscoveryError(f"{source} returned {type(mapping).__name__}, expected a mapping "
                              "of name -> backend class or 'module:Class'")
@@ -152,6 +191,10 @@ def _from_mapping(mapping: Mapping[str, Any], source: str) -> list[BackendUnderT
         if not isinstance(name, str) or not name or not name.replace("_", "").isalnum():
             raise DiscoveryError(f"{source} gave backend name {name!r}; use letters, digits, '_'")
         if isinstance(target, str):
+            refused = guard_import(guard, target, name)
+            if refused is not None:
+                found.append(BackendUnderTest(name, target, source, error=refused))
+                continue
             try:
                 found.append(BackendUnderTest(name, target, source, cls=import_object(target)))
             except Exception as exc:
@@ -164,11 +207,16 @@ def _from_mapping(mapping: Mapping[str, Any], source: str) -> list[BackendUnderT
     return found
 
 
-def entry_point_backends() -> list[BackendUnderTest]:
+def entry_point_backends(guard: Guard = unguarded) -> list[BackendUnderTest]:
     """Backends from the ``pytest_kvconform.backends`` entry-point group."""
     found: list[BackendUnderTest] = []
     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         source = f"entry-point {ep.name} ({ep.value})"
+        refused = None if ep.module in sys.modules else \
+            guard(f"loading the entry point {ep.name} ({ep.value})", ep.load)
+        if refused is not None:
+            found.append(BackendUnderTest(ep.name, ep.value, "entry-point", error=refused))
+            continue
         try:
             obj = ep.load()
         except Exception as exc:
@@ -178,13 +226,17 @@ def entry_point_backends() -> list[BackendUnderTest]:
         if isinstance(obj, type):
             found.append(BackendUnderTest(ep.name, _path_of(obj), "entry-point", cls=obj))
         elif callable(obj):
+            refused = guard(f"calling the entry point {ep.name} ({ep.value})", obj)
+            if refused is not None:
+                found.append(BackendUnderTest(ep.name, ep.value, "entry-point", error=refused))
+                continue
             try:
                 mapping = obj()
             except Exception as exc:
                 found.append(BackendUnderTest(ep.name, ep.value, "entry-point",
                                               error=f"calling it raised {describe_error(exc)}"))
                 continue
-            found.extend(_from_mapping(mapping, "entry-point"))
+            found.extend(_from_mapping(mapping, "entry-point", guard))
         else:
             raise DiscoveryError(f"{source} loads {obj!r}; expected a class or a callable "
                                  "returning a mapping")
@@ -197,9 +249,10 @@ Registry = Callable[[Collection[str] | None], tuple[list[BackendUnderTest], str 
 def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
              *, include_registry: bool = True,
              include_entry_points: bool = True,
-             registry: Registry = registry_backends,
+             registry: Registry | None = None,
              origins: Origins | None = None,
              only: Collection[str] | None = None,
+             guard: Guard = unguarded,
              ) -> Discovery:
     """All backends, sorted by name; a name defined by two sources is an error.
 
@@ -208,11 +261,13 @@ def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
     registry member then says who put its class there.  With ``only`` (a
     ``--kv-backend`` run), the registry's and the platform's other backends are
     listed in ``left_out`` by name, not imported; hook and entry-point backends
-    are all loaded (a callable entry point names its backends only when called).
+    are all loaded (a callable entry point names its backends only when called).  Each
+    import goes through ``guard`` (the module docstring).
     """
     result = Discovery()
     if include_registry:
-        found, reason = registry(only)
+        found, reason = (registry(only) if registry is not None
+                         else registry_backends(only, guard))
         if origins is not None:
             found = [dataclasses.replace(b, origin=origins.origin_of(b.name, b.overridden))
                      for b in found]
@@ -225,7 +280,7 @@ def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
             paths = {**(registry_snapshot() if only is not None else {}),
                      **{b.name: b.path for b in found}}
             result.left_out.extend(name for name in paths if _left_out(name, only))
-            extra, note = platform_backend(set(paths.values()), only=only)
+            extra, note = platform_backend(set(paths.values()), only=only, guard=guard)
             if extra is not None and _left_out(extra.name, only):
                 result.left_out.append(extra.name)
             elif extra is not None:
@@ -234,9 +289,9 @@ def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
                 result.notes.append(note)
     for mapping in hook_results:
         if mapping:
-            result.backends.extend(_from_mapping(mapping, "hook"))
+            result.backends.extend(_from_mapping(mapping, "hook", guard))
     if include_entry_points:
-        result.backends.extend(entry_point_backends())
+        result.backends.extend(entry_point_backends(guard))
     result.left_out.sort()
     seen: dict[str, BackendUnderTest] = {}
     for backend in result.backends:

@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ from pytest_kvconform.checks.errors import (
 from pytest_kvconform.contract import memory
 from pytest_kvconform.contract.outcomes import bracketed
 from pytest_kvconform.contract.records import BackendUnderTest, Case
-from pytest_kvconform.workers import budget
+from pytest_kvconform.workers import budget, isolated
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def declared_need(clause: str, backend: BackendUnderTest) -> bool:
         raise ClauseFailure(clause, "backend declares no callable indexes_kv_by_block_stride(); "
                             "its layout need is unknown (see KV-L1)", backend=backend.name)
     try:
-        value = call_declaration(clause, backend.name, method)
+        value = call_declaration(clause, backend.name, method, cache=True)
     except HarnessError:
         raise
     except Exception as exc:
@@ -175,21 +175,66 @@ def declared_need(clause: str, backend: BackendUnderTest) -> bool:
     return value
 
 
-def call_declaration(clause: str, backend: str, method: Any) -> Any:
-    """``method()`` (a backend's layout declaration) bounded by the per-test budget.
+def call_declaration(clause: str, backend: str, method: Any, *, cache: bool = False) -> Any:
+    """``method()`` (a backend's layout declaration), bounded by the per-test budget.
 
-    A declaration that blocks becomes a timeout error naming the clause, the
-    backend and the call, not a hung run.  Once it has timed out, every later test
-    asking the same backend's declaration errors at once, citing the first, while the
-    call still has not returned (``budget.call``'s ``key``): one budget per hung
-    backend, not one per test.
+    Made where this process can give up on it (``workers/isolated.py``: in a child process,
+    or announced inside the child running the whole check), so a declaration that blocks,
+    holds the GIL or ends its process becomes an error naming the clause, the backend and
+    the call, not a hung or dead run.  Once it has timed out, every later test asking the
+    same backend's declaration errors at once, citing the first: one budget per hung
+    backend, not one per test.  With ``cache``, an answer this process already got is
+    given again without a child (the KV-A checks each read the need; KV-L1 asks three
+    times, uncached, to see that it is stable).
     """
-    try:
-        return budget.call(method, f"{backend}.indexes_kv_by_block_stride() (the backend's "
-                           "layout declaration)", key=("declaration", backend, method),
-                           label=clause)
-    except budget.WaitTimeout as exc:
-        raise budget.WaitTimeout(f"{clause} [backend={backend}]: {exc}") from None
+    name = _name_of(method)
+    what = _DECLARATIONS.get(name, "the backend's declaration")
+    return isolated.call(method, f"{backend}.{name}() ({what})",
+                         where=f"{clause} [backend={backend}]",
+                         key=backend_call_key(backend, method), label=clause, cache=cache)
+
+
+_DECLARATIONS = {"indexes_kv_by_block_stride": "the backend's layout declaration"}
+
+
+def backend_call_key(backend: str, method: Any) -> tuple[str, str, int]:
+    """What identifies a call into a backend's class across this process and its children:
+    the backend, the method's name and its function (a method replaced is another call)."""
+    function = getattr(method, "__func__", method)
+    return backend, _name_of(method), id(function)
+
+
+def _name_of(method: Any) -> str:
+    return str(getattr(method, "__name__", None) or type(method).__name__)
+
+
+def production_with_class(clause: str, backend: str, production: str, fn: Callable[[], Any]
+                          ) -> Any:
+    """``fn()``: production's ``production`` handed the backend's class (it calls into it),
+    bounded and named as a call into the class is (:func:`call_declaration`)."""
+    return isolated.call(fn, f"production's {production} with {backend}'s class",
+                         where=f"{clause} [backend={backend}]",
+                         key=(backend, production, 0), label=clause)
+
+
+def run_in_child(check: Callable[..., Any], args: Sequence[Any], *, clause: str,
+                 backend: str | None) -> Any:
+    """A whole check that calls into a backend's class from this process, run in a child
+    forked for it (``clauses.Check.isolated``; ``workers/isolated.py``): its value and the
+    production entry points it noted come back, its outcome as it raised it."""
+    if isolated.inside():  # already where this process can give up on it
+        return check(*args)
+
+    def body() -> tuple[Any, list[str]]:
+        value = check(*args)
+        return value, list(_VIA.get() or [])
+
+    value, via = isolated.call(body, f"the {clause} check ({getattr(check, '__name__', '?')})",
+                               where=f"{clause}{bracketed(backend=backend, case=None, layout=None)}",
+                               backend_code=False, default=budget.DEFAULT_TIMEOUT_S)
+    for entry in via:
+        note_via(entry)
+    return value
 
 
 @contextlib.contextmanager

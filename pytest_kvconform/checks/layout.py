@@ -14,6 +14,7 @@ from pytest_kvconform.checks.common import (
     call_declaration,
     cuda_init_recorder,
     declared_need,
+    production_with_class,
 )
 from pytest_kvconform.checks.errors import HarnessError, SkipKind
 from pytest_kvconform.checks.layout_resolution import (
@@ -177,23 +178,38 @@ def _l5(backend: BackendUnderTest) -> tuple[Where, Any, bool]:
             declared_need(clause, backend))
 
 
+def _assert_supported(where: Where, name: str | None, cls: Any) -> str | None:
+    """Production's backend-layout assertion for a config pinned to ``name`` (None:
+    unresolved), handed the backend's class: the layout the config holds afterwards, or
+    what the assertion raised (bounded and named as a call into the class is)."""
+
+    def assertion() -> str | None:
+        config = pinned_config(name)
+        compat.assert_backend_layout_supported(config, cls)
+        return config.cache_config.kv_cache_layout  # type: ignore[no-any-return]
+
+    assert where.backend is not None
+    return production_with_class(where.clause, where.backend,  # type: ignore[no-any-return]
+                                 "assert_backend_layout_supported", assertion)
+
+
 def check_kv_l5_unresolved(backend: BackendUnderTest) -> None:
     """KV-L5: the backend-layout assertion is silent while the layout is unresolved (a
     worker not yet told the layout must not crash) and pins nothing."""
     where, cls, _ = _l5(backend)
-    unresolved = pinned_config(None)
     try:
-        compat.assert_backend_layout_supported(unresolved, cls)
+        pinned = _assert_supported(where, None, cls)
+    except HarnessError:
+        raise
     except Exception as exc:
         raise where.fail("assert_backend_layout_supported raised while the layout is "
                          "unresolved (a worker not yet told the layout must not crash): "
                          f"{exc!r}", expected="silence",
                          actual=repr(exc)) from exc
-    if unresolved.cache_config.kv_cache_layout is not None:
+    if pinned is not None:
         raise where.fail("assert_backend_layout_supported pinned a layout on an "
                          "unresolved config; the worker would then disagree with the control "
-                         "plane", expected=None,
-                         actual=unresolved.cache_config.kv_cache_layout)
+                         "plane", expected=None, actual=pinned)
 
 
 def check_kv_l5_consistent(backend: BackendUnderTest) -> None:
@@ -201,7 +217,9 @@ def check_kv_l5_consistent(backend: BackendUnderTest) -> None:
     where, cls, need = _l5(backend)
     for name in layouts_for(need, consistent=True):
         try:
-            compat.assert_backend_layout_supported(pinned_config(name), cls)
+            _assert_supported(where, name, cls)
+        except HarnessError:
+            raise
         except Exception as exc:
             raise where.fail(f"assert_backend_layout_supported raised for layout {name}"
                              f", which is consistent with indexes_kv_by_block_stride()={need}",
@@ -214,9 +232,11 @@ def check_kv_l5_contradiction(backend: BackendUnderTest) -> None:
     where, cls, need = _l5(backend)
     for name in layouts_for(need, consistent=False):
         try:
-            compat.assert_backend_layout_supported(pinned_config(name), cls)
+            _assert_supported(where, name, cls)
         except ValueError:
             continue
+        except HarnessError:
+            raise
         except Exception as exc:
             raise where.fail(f"assert_backend_layout_supported {raised(exc)} for "
                              f"contradictory layout {name}",

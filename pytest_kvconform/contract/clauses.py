@@ -187,6 +187,14 @@ class Check:
     def needs_workers(self) -> bool:
         return bool(WORKER_ARGS & set(self.args))
 
+    @property
+    def isolated(self) -> bool:
+        """Whether it runs whole in a child process forked for it (``workers/isolated.py``):
+        it calls into a discovered backend's class from the checking process and drives no
+        KV-A worker (whose pipes live in that process; the calls it makes itself are each
+        made in a child)."""
+        return "backend" in self.args and not self.needs_workers
+
 
 @dataclass(frozen=True)
 class Clause:

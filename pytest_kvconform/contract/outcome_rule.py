@@ -30,12 +30,19 @@ from pytest_kvconform.contract.outcomes import ClauseSkip, ErrorKind, HarnessErr
 # user_properties key carrying a harness fault's kind from the test to the report.
 ERROR_KIND_PROPERTY = "kv_error_kind"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
+# Set on an exception carried back from the child process that raised it
+# (``workers/isolated.py``): its kind, judged there by this rule, where its traceback was
+# (an ErrorKind value, or None for a clause outcome).
+REMOTE_KIND_ATTR = "kvconform_remote_kind"
 
 
 def harness_kind(exc: BaseException) -> ErrorKind | None:
     """The :class:`ErrorKind` of a harness fault, or None for a clause outcome."""
     if isinstance(exc, HarnessError):
         return exc.kind
+    if hasattr(exc, REMOTE_KIND_ATTR):  # judged where it was raised
+        remote = getattr(exc, REMOTE_KIND_ATTR)
+        return None if remote is None else ErrorKind(remote)
     if not isinstance(exc, Exception) or isinstance(exc, (AssertionError, ClauseSkip)):
         return None  # KeyboardInterrupt, pytest outcomes, failures, skips
     if is_out_of_memory(exc):

@@ -118,10 +118,17 @@ class HarnessError(RuntimeError):
     """
 
     kind: ErrorKind = ErrorKind.HARNESS
+    # The backend's own code that caused the fault, when it did (a call into its class that
+    # hung, ended its process or asked for the memory): such a fault counts for that
+    # backend, never for the serving stack, whatever the clause's subject.
+    caused_by: str | None = None
 
-    def __init__(self, message: str, *, kind: ErrorKind | None = None) -> None:
+    def __init__(self, message: str, *, kind: ErrorKind | None = None,
+                 caused_by: str | None = None) -> None:
         if kind is not None:
             self.kind = kind
+        if caused_by is not None:
+            self.caused_by = caused_by
         super().__init__(message)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.contract.outcomes import ClauseFailure
+from pytest_kvconform.workers.isolated import RAISED_AT_ATTR
 
 
 def concise(item: pytest.Item) -> None:
@@ -36,15 +37,22 @@ def concise(item: pytest.Item) -> None:
                 config.getoption("fulltrace", False):
             return default(excinfo)
         rendered = excinfo.getrepr(style="value", funcargs=False)
+        # A failure carried back from the child that ran the check (workers/isolated.py)
+        # names where it was raised there; any other, its innermost shown frame here.
+        raised_at = getattr(excinfo.value, RAISED_AT_ATTR, None)
         entries = excinfo.traceback.filter(excinfo)  # without __tracebackhide__ frames
-        if entries:
-            last = entries[-1]
-            try:
-                where = Path(last.path).relative_to(config.invocation_params.dir)
-            except ValueError:
-                where = Path(last.path)
-            rendered.reprtraceback.extraline = (
-                f"{where}:{last.lineno + 1}: in {last.name} (--tb=long shows the traceback)")
+        if raised_at is not None:
+            path, line, name = raised_at
+        elif entries:
+            path, line, name = entries[-1].path, entries[-1].lineno + 1, entries[-1].name
+        else:
+            return rendered
+        try:
+            where = Path(path).relative_to(config.invocation_params.dir)
+        except ValueError:
+            where = Path(path)
+        rendered.reprtraceback.extraline = (
+            f"{where}:{line}: in {name} (--tb=long shows the traceback)")
         return rendered
 
     item.repr_failure = repr_failure  # type: ignore[method-assign]  # this item's own

@@ -28,6 +28,7 @@ from pytest_kvconform.contract.records import BackendUnderTest, Case
 from pytest_kvconform.session import failure_repr
 from pytest_kvconform.session import xdist as xdist_hooks
 from pytest_kvconform.session.options import Options
+from pytest_kvconform.workers import isolated
 
 NO_BACKEND_ID = "no-backend"
 XFAIL_PROPERTY = "kv_xfail"
@@ -126,7 +127,8 @@ class KvSelection:
                 warnings.simplefilter("ignore", DeprecationWarning)
                 self.plugins = load_plugins(self.options.plugins)
                 self.discovery = discover(hook_results, origins=self.plugins,
-                                          only=self.options.backends or None)
+                                          only=self.options.backends or None,
+                                          guard=isolated.probe(self.options.timeout))
         except DiscoveryError as exc:
             raise pytest.UsageError(f"kvconform: {exc}") from None
         self.discovery_seconds = time.monotonic() - started

@@ -20,12 +20,8 @@ L7_COVERAGE_PROPERTY = "kv_l7_coverage"
 def test_kv_l7(request: pytest.FixtureRequest, kv_backend: BackendUnderTest,
                kv_device: str) -> None:
     """KV-L7 paged read path against a dense reference, on the backend's kernel device."""
-
-    def check(backend: BackendUnderTest, device: str) -> None:
-        covered = layout.check_kv_l7(backend, device)
-        request.node.user_properties.append((L7_COVERAGE_PROPERTY, covered))
-
-    run_check(request, check, kv_backend, kv_device)
+    covered = run_check(request, layout.check_kv_l7, kv_backend, kv_device)
+    request.node.user_properties.append((L7_COVERAGE_PROPERTY, covered))
 
 
 GENERATED = generate(globals())

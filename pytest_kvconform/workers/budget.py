@@ -1,8 +1,9 @@
 """The per-test time budget (``--kv-timeout``) and waits bounded by it.
 
 Stdlib only.  A front-end opens a budget around one clause check
-(:func:`per_test`); every wait inside the check (a worker's answer, a backend's
-declaration call) is bounded by what is left of it (:func:`bound`).  Outside a
+(:func:`per_test`); every wait inside the check (a worker's answer, a call into a
+backend's class made in a child process, ``isolated.py``) is bounded by what is left of
+it (:func:`bound`).  Outside a
 budget (a check called directly), each wait falls back to its own default, so no
 wait is ever unbounded.  A wait that runs out raises a
 :class:`~pytest_kvconform.contract.outcomes.HarnessError` of kind ``timeout``.
@@ -12,17 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 from pytest_kvconform.contract.outcomes import ErrorKind, HarnessError
 
 DEFAULT_TIMEOUT_S = 300.0  # --kv-timeout's default, per test
-DECLARATION_TIMEOUT_S = 60.0  # a declaration call outside a budget
-T = TypeVar("T")
+DECLARATION_TIMEOUT_S = 60.0  # a call into a backend's class outside a budget
 
 _deadline: float | None = None
 _seconds: float | None = None
@@ -67,28 +65,24 @@ class WaitTimeout(HarnessError):
     kind = ErrorKind.TIMEOUT
 
 
-class _Outcome:
-    value: Any = None
-    error: BaseException | None = None
-
-
 @dataclass(frozen=True)
-class _Hang:
-    """A call that timed out and has not returned since: where, and after how long."""
+class Hang:
+    """A call that timed out and was given up on: where, and after how long."""
 
     first: str
     waited: str
-    done: threading.Event
 
 
 # Calls that hung, by the caller's key (a declaration that never returns would otherwise
-# cost the whole --kv-timeout in every test that asks it).  Per process: under
-# xdist each worker process that asks pays one timeout, then remembers it too.
-_hung: dict[Hashable, _Hang] = {}
-_hung_lock = threading.Lock()
+# cost the whole --kv-timeout in every test that asks it).  A hung call is killed with the
+# child process that made it (``workers/isolated.py``), so it never returns: remembered
+# for the rest of the process.  Per process: under xdist each worker process that asks
+# pays one timeout, then remembers it too; a child forked to make a call is forked with
+# the memory.
+_hung: dict[Hashable, Hang] = {}
 
 
-def _current_test() -> str | None:
+def current_test() -> str | None:
     """The running pytest test's id (pytest sets ``PYTEST_CURRENT_TEST``), if any."""
     current = os.environ.get("PYTEST_CURRENT_TEST")
     return current.rsplit(" (", 1)[0] if current else None
@@ -96,57 +90,38 @@ def _current_test() -> str | None:
 
 def forget_hangs() -> None:
     """Forget every remembered hang (for tests)."""
-    with _hung_lock:
-        _hung.clear()
+    _hung.clear()
 
 
-def call(fn: Callable[[], T], what: str, *, default: float = DECLARATION_TIMEOUT_S,
-         key: Hashable | None = None, label: str | None = None) -> T:
-    """``fn()`` in a daemon thread, waited for within the budget; a timeout if it blocks.
-
-    The thread cannot be stopped: a call that blocks forever keeps blocking in the
-    background (a daemon thread never holds up the process's exit), but the check
-    and the run go on.  ``what`` names what was waited for in the error.
-
-    With ``key``, a call that timed out is remembered while its thread has not
-    returned: a later call with the same key is not made, and fails at once with a
-    timeout citing the first (the running test's id and ``label``, and how long it
-    waited), so a hung callee costs one budget per process, not one per test.
-    """
+def _hashable(key: Hashable | None) -> Hashable | None:
     try:
         hash(key)
-    except TypeError:  # an unhashable callee: not remembered
-        key = None
-    if key is not None:
-        with _hung_lock:
-            hang = _hung.get(key)
-            if hang is not None and hang.done.is_set():  # it returned after all: ask again
-                del _hung[key]
-                hang = None
-        if hang is not None:
-            raise WaitTimeout(f"{what} was not called again: it hung in {hang.first}, timing "
-                              f"out after {hang.waited}, and has not returned since (this "
-                              "process remembers it)")
-    timeout = bound(default)
-    outcome = _Outcome()
-    done = threading.Event()
+    except TypeError:  # an unhashable key: not remembered
+        return None
+    return key
 
-    def run() -> None:
-        try:
-            outcome.value = fn()
-        except BaseException as exc:  # handed back to the caller
-            outcome.error = exc
-        finally:
-            done.set()
 
-    threading.Thread(target=run, name=f"kvconform-bounded-call: {what}", daemon=True).start()
-    if not done.wait(timeout):
-        if key is not None:
-            test = _current_test()
-            first = (f"{test} ({label})" if label else test) if test else (label or "a call")
-            with _hung_lock:
-                _hung.setdefault(key, _Hang(first, describe(timeout), done))
-        raise WaitTimeout(f"timed out after {describe(timeout)} waiting for {what} to return")
-    if outcome.error is not None:
-        raise outcome.error
-    return outcome.value
+def remember_hang(key: Hashable | None, timeout: float, label: str | None = None) -> None:
+    """``key``'s call timed out after ``timeout`` seconds in the running test (``label``
+    says which of its steps): every later call with the same key is refused at once."""
+    key = _hashable(key)
+    if key is None:
+        return
+    test = current_test()
+    first = (f"{test} ({label})" if label else test) if test else (label or "a call")
+    _hung.setdefault(key, Hang(first, describe(timeout)))
+
+
+def hang_of(key: Hashable | None) -> Hang | None:
+    """The remembered hang of ``key``'s call, if it hung before in this process."""
+    key = _hashable(key)
+    return None if key is None else _hung.get(key)
+
+
+def refuse_if_hung(key: Hashable | None, what: str) -> None:
+    """A :class:`WaitTimeout` citing the first hang when ``key``'s call hung before."""
+    hang = hang_of(key)
+    if hang is not None:
+        raise WaitTimeout(f"{what} was not called again: it hung in {hang.first}, timing "
+                          f"out after {hang.waited}, and was killed (this process "
+                          "remembers it)")

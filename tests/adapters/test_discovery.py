@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import pytest
 
 from pytest_kvconform.adapters import discovery
@@ -25,8 +28,12 @@ def no_omni(names: object = None) -> tuple[list[BackendUnderTest], str | None]:
     return [], discovery.OMNI_MISSING
 
 
+def no_platform(paths: object, only: object = None, guard: object = None) -> tuple[None, None]:
+    return None, None
+
+
 def test_sorted_and_unimportable_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(discovery, "platform_backend", lambda paths, only=None: (None, None))
+    monkeypatch.setattr(discovery, "platform_backend", no_platform)
     found = discovery.discover([{"MID": B}, None, {"LATE": "no_such_mod_x:Y"}],
                                registry=fake_registry, include_entry_points=False)
     assert found.names == ["ALPHA", "LATE", "MID", "ZETA"]
@@ -36,7 +43,7 @@ def test_sorted_and_unimportable_kept(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_collision_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(discovery, "platform_backend", lambda paths, only=None: (None, None))
+    monkeypatch.setattr(discovery, "platform_backend", no_platform)
     with pytest.raises(discovery.DiscoveryError, match="'ZETA' is defined twice"):
         discovery.discover([{"ZETA": B}], registry=fake_registry, include_entry_points=False)
 
@@ -55,7 +62,8 @@ def test_a_run_naming_backends_imports_no_other(monkeypatch: pytest.MonkeyPatch)
     platform = BackendUnderTest("PLAT", "p.PLAT", "platform")  # no class: not imported
     monkeypatch.setattr(discovery, "registry_snapshot",
                         lambda: {"ZETA": "m.Z", "ALPHA": "m.A"})
-    monkeypatch.setattr(discovery, "platform_backend", lambda paths, only=None: (platform, None))
+    monkeypatch.setattr(discovery, "platform_backend",
+                        lambda paths, only=None, guard=None: (platform, None))
     found = discovery.discover([{"MID": B}], registry=registry, include_entry_points=False,
                                only=["ZETA", "MID"])
     assert asked == [["ZETA", "MID"]]
@@ -63,6 +71,36 @@ def test_a_run_naming_backends_imports_no_other(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(discovery.DiscoveryError, match="'ALPHA' is defined twice"):
         discovery.discover([{"ALPHA": B}], registry=registry, include_entry_points=False,
                            only=["ZETA"])
+
+
+# Backend modules whose import never finishes (a loop in C holding the GIL) or ends the
+# process: a guarded discovery never runs them here, and says why.
+HOSTILE_IMPORTS = {
+    "kvconform_hog_import": "total = sum(range(10**13))\n\nclass B:\n    pass\n",
+    "kvconform_exit_import": "import os\nos._exit(3)\n",
+}
+
+
+def test_a_guarded_import_that_hangs_or_exits_leaves_the_backend_unimportable(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_kvconform.workers import isolated
+
+    for name, text in HOSTILE_IMPORTS.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(discovery, "platform_backend", no_platform)
+    found = discovery.discover([{"HOG": "kvconform_hog_import:B",
+                                 "EXITS": "kvconform_exit_import:B", "FINE": B}],
+                               registry=no_omni, include_entry_points=False,
+                               guard=isolated.probe(1.0))
+    hog, exits = found.by_name("HOG"), found.by_name("EXITS")
+    assert not hog.importable and not exits.importable and found.by_name("FINE").importable
+    assert hog.error == ("importing kvconform_hog_import (backend HOG) did not finish within 1s "
+                         "(--kv-timeout; it blocks, or loops holding the GIL) and was killed; "
+                         "it was not imported into the run")
+    assert exits.error == ("importing kvconform_exit_import (backend EXITS) ended its process "
+                           "(exit code 3); it was not imported into the run")
+    assert "kvconform_hog_import" not in sys.modules and "kvconform_exit_import" not in sys.modules
 
 
 def test_missing_omni_is_a_note() -> None:
