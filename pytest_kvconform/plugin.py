@@ -61,7 +61,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     config.addinivalue_line("markers", "kv_cases(predicate): select the spec cases a suite "
                             "test is parametrised with (predicate(case) -> bool)")
-    _terminate_as_interrupt(config)
+    signals = _run_signals(config)
     try:
         known = _startup_checks(options)  # before anything heavy is imported
         _add_suite(config)
@@ -71,27 +71,32 @@ def pytest_configure(config: pytest.Config) -> None:
             exit_with_parent()
         from pytest_kvconform.session.run import KvSession
 
-        session = KvSession(config, options, known=known)
+        session = KvSession(config, options, known=known, signals=signals)
     except KeyboardInterrupt as exc:
-        _interrupted_before_results(config, options, type(exc).__name__)
+        _interrupted_before_results(config, options, type(exc).__name__, signals)
         raise
     config.pluginmanager.register(session, SESSION_PLUGIN)
     _speculate_workers(config, options, session)
 
 
-def _terminate_as_interrupt(config: pytest.Config) -> None:
-    """SIGTERM ends the run as Ctrl-C does (``lifetime.terminate_as_interrupt``): the
-    summary, the verdict and the report, and no process or temporary file left.  Undone
-    when the run is (pytester runs sessions inside a longer-lived process)."""
+def _run_signals(config: pytest.Config) -> Any:
+    """SIGTERM ends the run as Ctrl-C does, and neither ends it with a status its report
+    disagrees with (``lifetime.RunSignals``): the summary, the verdict and the report, and
+    no process or temporary file left.  Undone when the run is over, unless it owns its
+    process (pytester runs sessions inside a longer-lived process)."""
     from pytest_kvconform.workers import lifetime
 
-    undo = lifetime.terminate_as_interrupt()
-    if undo is not None:
-        config.add_cleanup(undo)
+    signals = lifetime.RunSignals()
+    if signals.install():
+        owned = not hasattr(config, "workerinput") and \
+            lifetime.owns_process(config.invocation_params.args)
+        # Last of all (the first cleanup added runs last): an owned run keeps deferring.
+        config.add_cleanup(signals.finishing if owned else signals.undo)
+    return signals
 
 
 def _interrupted_before_results(config: pytest.Config, options: Options,
-                                what: str = "KeyboardInterrupt") -> None:
+                                what: str = "KeyboardInterrupt", signals: Any = None) -> None:
     """Ctrl-C (or SIGTERM) before the run's results plugin was registered (which judges
     any later interrupt): the verdict and the report all the same, with nothing collected."""
     from pytest_kvconform.session.run import RESULTS_PLUGIN
@@ -101,7 +106,8 @@ def _interrupted_before_results(config: pytest.Config, options: Options,
     from pytest_kvconform.session.results import KvResults
     from pytest_kvconform.session.selection import KvSelection
 
-    results = KvResults(config, options, KvSelection(config, options, "cpu", None))
+    results = KvResults(config, options, KvSelection(config, options, "cpu", None),
+                        signals=signals)
     results.interruption = f"{what} during start-up, before any test was collected"
     results.conclude_interrupted_start()
 

@@ -41,6 +41,7 @@ from pytest_kvconform.session.xfail_outcomes import (
     known_failure,
     known_skip,
 )
+from pytest_kvconform.workers.lifetime import RunSignals
 from pytest_kvconform.workers.worker_log import WORKER_LOG_KEY
 
 
@@ -51,10 +52,12 @@ class KvResults:
     built_report: dict[str, Any] | None = None
 
     def __init__(self, config: pytest.Config, options: Options,
-                 selection: KvSelection, worker_output: KvWorkerOutput | None = None) -> None:
+                 selection: KvSelection, worker_output: KvWorkerOutput | None = None,
+                 signals: RunSignals | None = None) -> None:
         from pytest_kvconform.report.build import now_iso
 
         self.config = config
+        self.signals = signals  # the run's SIGTERM / SIGINT (lifetime.RunSignals)
         self.options = options
         self.selection = selection
         self.worker_output = worker_output  # what the KV-A workers printed
@@ -221,7 +224,11 @@ class KvResults:
         line and, with ``--kv-report``, the report, as a finished run gets them."""
         if self.concluded or getattr(self.config, "workerinput", None) is not None:
             return
+        if self.signals is not None:
+            self.signals.finishing()
         self._conclude(pytest.ExitCode.INTERRUPTED)
+        if self.signals is not None:
+            self.signals.settle(pytest.ExitCode.INTERRUPTED)
         lines = [f"kvconform: verdict{self.verdict_line}", self.report_line]
         if self.report_error:
             lines.append(f"kvconform: ERROR: {self.report_error}")
@@ -269,17 +276,27 @@ class KvResults:
         if self.report_error:
             tr.write_line(f"kvconform: ERROR: {self.report_error}", red=True, bold=True)
 
-    @pytest.hookimpl(trylast=True)
-    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> Generator[None, None, None]:
+        """From the first end-of-run hook on, a signal no longer interrupts: the run ends
+        with the status its report agrees with (``lifetime.RunSignals``)."""
+        if self.signals is not None:
+            self.signals.finishing()
+        return (yield)
+
+    @pytest.hookimpl(trylast=True, specname="pytest_sessionfinish")  # the verdict, last
+    def pytest_sessionfinish_verdict(self, session: pytest.Session, exitstatus: int) -> None:
         if getattr(self.config, "workeroutput", None) is not None:
             return  # an xdist worker: its controller judges (KvSelection hands over counts)
         if self.selection.usage_error:
             session.exitstatus = pytest.ExitCode.USAGE_ERROR
-            return
-        status = self._conclude(exitstatus, session)
-        if status is not None and session.exitstatus in (pytest.ExitCode.OK,
-                                                         pytest.ExitCode.TESTS_FAILED):
-            session.exitstatus = status
+        else:
+            status = self._conclude(exitstatus, session)
+            if status is not None and session.exitstatus in (pytest.ExitCode.OK,
+                                                             pytest.ExitCode.TESTS_FAILED):
+                session.exitstatus = status
+        if self.signals is not None:  # the report, if any, is on disk: this status is final
+            self.signals.settle(int(session.exitstatus))
 
     def _conclude(self, exitstatus: int, session: pytest.Session | None = None) -> int | None:
         """The verdict lines and (when wanted) the report; the exit status the run must end

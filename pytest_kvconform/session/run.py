@@ -33,7 +33,7 @@ class KvSession:
     """Per-run state; pytest hooks on the instance run only with --kv-conformance."""
 
     def __init__(self, config: pytest.Config, options: Options,
-                 known: Any = None) -> None:
+                 known: Any = None, signals: Any = None) -> None:
         self.config = config
         self.options = options
         # No collections while the stack imports (adapters/heap.py); resumed after
@@ -50,7 +50,8 @@ class KvSession:
         # First: from here on a Ctrl-C still ends with a verdict and a report (KvResults).
         self.selection = KvSelection(config, options, self.device, known)
         self.worker_output = KvWorkerOutput(config, options)  # before any worker starts
-        self.results = KvResults(config, options, self.selection, self.worker_output)
+        self.results = KvResults(config, options, self.selection, self.worker_output,
+                                 signals=signals)
         config.pluginmanager.register(self.selection, SELECTION_PLUGIN)
         config.pluginmanager.register(self.results, RESULTS_PLUGIN)
         config.pluginmanager.register(self.worker_output, WORKER_OUTPUT_PLUGIN)

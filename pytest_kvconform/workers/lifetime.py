@@ -14,11 +14,13 @@ Stdlib only.  Two mechanisms, because each alone has a gap:
 ``atexit`` alone is not enough: it never runs when the parent is killed.
 
 SIGTERM's default ends a process without ``atexit`` or ``finally`` either, so a
-``--kv-conformance`` run turns it into Ctrl-C's unwinding (:func:`terminate_as_interrupt`).
+``--kv-conformance`` run turns it into Ctrl-C's unwinding, and keeps a signal during its
+end from ending it with another status than its report's (:class:`RunSignals`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -94,29 +96,106 @@ class Terminated(KeyboardInterrupt):
     report), the pools and the fork server close, ``atexit`` removes the temporary files."""
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    # A second SIGTERM while the first one unwinds kills at once, as it did before.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise Terminated("SIGTERM: the run was terminated")
+EXIT_INTERRUPTED = 2  # pytest's own status for an interrupted run
+
+
+class RunSignals:
+    """SIGTERM and SIGINT across one run, from the plugin's first hook to the exit.
+
+    - **Running**: the first signal unwinds the run as Ctrl-C does (SIGTERM raises
+      :class:`Terminated`): the summary, the ``interrupted`` verdict and its report, exit
+      status 2.  Another signal while that unwinds ends the process at once with status 2
+      (the report of the unfinished run is not written; no traceback is printed).
+    - **Finishing** (:meth:`finishing`, from the first ``pytest_sessionfinish`` hook on):
+      the run is concluding with what ran, so a first signal is noted on stderr and the
+      run ends with its own status, agreeing with its report; another one ends the process
+      at once, with that status once it is :meth:`settle`-d (the report is on disk), else 2.
+    - **Ended** (:meth:`undo`): the handlers before the run come back, when the run is
+      embedded (pytester's inline runs, ``pytest.main`` in a program that goes on); a run
+      that owns its process (``pytest`` on the command line) keeps them up to its exit, so
+      nothing from the summary to the interpreter's last step ends with another status.
+
+    Only over the default dispositions (SIGTERM's default, Python's SIGINT handler): a signal
+    ignored by whoever started us (``cmd &`` starts its command with SIGINT ignored), or
+    handled by the program that embeds pytest, stays theirs.  Installed from the main thread
+    only (a signal handler can be set nowhere else).
+    """
+
+    def __init__(self, *, sigint: bool = True) -> None:
+        self.sigint = sigint  # take SIGINT too (else SIGTERM alone)
+        self.phase = "running"
+        self.seen = 0  # signals received so far
+        self.settled: int | None = None  # the exit status the report agrees with
+        self.previous: dict[int, Any] = {}
+
+    def install(self) -> bool:
+        """Take SIGTERM and SIGINT where they have their defaults; whether any was taken."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig, default in ((signal.SIGTERM, signal.SIG_DFL),
+                             (signal.SIGINT, signal.default_int_handler)):
+            if (sig == signal.SIGTERM or self.sigint) and signal.getsignal(sig) is default:
+                self.previous[sig] = default
+                signal.signal(sig, self._handle)
+        return bool(self.previous)
+
+    def finishing(self) -> None:
+        """The run concludes from here on (its verdict, report, summary, clean-up)."""
+        self.phase = "finishing"
+
+    def settle(self, status: int) -> None:
+        """The exit status the run ends with, and its report (if any) agrees with."""
+        self.settled = int(status)
+
+    def undo(self) -> None:
+        """The handlers before the run, for those still ours."""
+        for sig, previous in self.previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous)
+        self.previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        self.seen += 1
+        if self.phase == "running":
+            self.phase = "unwinding"
+            if signum == signal.SIGTERM:
+                raise Terminated("SIGTERM: the run was terminated")
+            raise KeyboardInterrupt
+        if self.phase == "finishing" and self.seen == 1:
+            _say(f"kvconform: {name} while the run was finishing: it ends with its own exit "
+                 "status, which its report agrees with (another signal ends it at once)")
+            return
+        status = self.settled if self.phase == "finishing" and self.settled is not None \
+            else EXIT_INTERRUPTED
+        _say(f"kvconform: {name} again: exiting at once with status {status}"
+             + ("" if status != EXIT_INTERRUPTED or self.settled is not None else
+                ", without this run's report"))
+        os._exit(status)
+
+
+def _say(line: str) -> None:
+    """One line on stderr, safe in a signal handler (no buffered stream, no lock)."""
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode())
 
 
 def terminate_as_interrupt() -> Callable[[], None] | None:
-    """Make SIGTERM raise :class:`Terminated` in the main thread; returns the undo.
+    """SIGTERM unwound as Ctrl-C is (:class:`RunSignals`' running phase; SIGINT left to
+    Python); returns the undo (None where SIGTERM did not have its default)."""
+    signals = RunSignals(sigint=False)
+    return signals.undo if signals.install() else None
 
-    Only over the default disposition: a SIGTERM ignored by whoever started us, or
-    handled by the program that embeds pytest, stays theirs (None: nothing to undo).
-    The undo puts the default back only if the handler is still ours.
-    """
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return None
-    signal.signal(signal.SIGTERM, _on_sigterm)
 
-    def undo() -> None:
-        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    return undo
+def owns_process(args: Any) -> bool:
+    """Whether a pytest run with these arguments is the process's own (``pytest ARGS`` or
+    ``python -m pytest ARGS``), not one embedded in a program that goes on after it."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    entry = getattr(spec, "name", None) == "pytest.__main__" or \
+        getattr(getattr(main, "console_main", None), "__module__", "").startswith(
+            ("pytest", "_pytest"))
+    return entry and tuple(str(a) for a in args) == tuple(sys.argv[1:])
 
 
 class Holders:

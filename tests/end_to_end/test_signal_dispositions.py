@@ -55,14 +55,15 @@ def test_signal_tests_pass_with_sigint_inherited_ignored() -> None:
         tail
 
 
-# SIGTERM in a --kv-conformance run (lifetime.terminate_as_interrupt): Ctrl-C's unwinding
-# where SIGTERM had its default, and nothing changed where someone else chose otherwise.
+# SIGTERM in a --kv-conformance run (lifetime.RunSignals): Ctrl-C's unwinding where SIGTERM
+# had its default, and nothing changed where someone else chose otherwise.
 SIGTERM_PROBE = '''
 import os, signal, sys
 from pytest_kvconform.workers import lifetime
 
 def now():
-    return signal.Handlers(signal.getsignal(signal.SIGTERM)).name
+    handler = signal.getsignal(signal.SIGTERM)
+    return "ours" if callable(handler) else signal.Handlers(handler).name
 
 if sys.argv[1] == "ignored":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -71,18 +72,30 @@ try:
     os.kill(os.getpid(), signal.SIGTERM)
     print("carried on")
 except KeyboardInterrupt as exc:
-    print(type(exc).__name__, exc, "| again:", now())
+    print(type(exc).__name__, exc, "| again:", now(), flush=True)
+if sys.argv[2:] == ["twice"]:
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("never printed")
 if undo is not None:
     undo()
 print("after:", now())
 '''
 
 
-def test_sigterm_unwinds_as_ctrl_c_once_then_has_its_default_again() -> None:
+def test_sigterm_unwinds_as_ctrl_c_once_then_the_undo_puts_the_default_back() -> None:
     result = _run("-c", SIGTERM_PROBE, "default", timeout=60)
     assert result.stdout.splitlines() == [
-        "Terminated SIGTERM: the run was terminated | again: SIG_DFL",
+        "Terminated SIGTERM: the run was terminated | again: ours",
         "after: SIG_DFL"], result.stdout + result.stderr
+
+
+def test_a_second_sigterm_while_the_run_unwinds_exits_2_at_once_without_a_traceback() -> None:
+    result = _run("-c", SIGTERM_PROBE, "default", "twice", timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [
+        "Terminated SIGTERM: the run was terminated | again: ours"], result.stdout
+    assert result.stderr.strip() == ("kvconform: SIGTERM again: exiting at once with status 2, "
+                                     "without this run's report"), result.stderr
 
 
 def test_an_ignored_sigterm_stays_ignored() -> None:
