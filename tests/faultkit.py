@@ -536,6 +536,93 @@ def terminated_at_startup(workdir: Path, *, early: bool = False) -> Outcome:
     return outcome
 
 
+# Sends the run its own signal (``SIG_NAME``, ``SIG_TIMES`` times) at one moment of its end:
+# ``sessionfinish`` (a conftest's last end-of-run hook: the report is on disk or about to
+# be), ``unconfigure`` (the summary printed, the plugins unconfiguring) or ``atexit`` (the
+# interpreter exiting).
+LATE_SIGNAL = '''
+import atexit
+import os
+import signal
+
+import pytest
+
+MOMENT = os.environ["SIG_AT"]
+
+
+def _send():
+    for _ in range(int(os.environ.get("SIG_TIMES", "1"))):
+        os.kill(os.getpid(), getattr(signal, os.environ["SIG_NAME"]))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    if MOMENT == "sessionfinish":
+        _send()
+
+
+def pytest_unconfigure(config):
+    if MOMENT == "unconfigure":
+        _send()
+
+
+if MOMENT == "atexit":
+    atexit.register(_send)
+'''
+LATE_SELECT = ("--kv-backend", "GOOD", "-k", "kv_l1 or kv_l2")
+
+
+def signalled_late(workdir: Path, moment: str | None, sig: int = signal.SIGTERM,
+                   times: int = 1) -> Outcome:
+    """``sig`` sent ``times`` by the run to itself at ``moment`` of its end (None: never, the
+    baseline), with ``--kv-report``."""
+    conftest(workdir, backends_conftest({"GOOD": Good}) + LATE_SIGNAL)
+    started = time.monotonic()
+    extra = {"SIG_AT": moment or "", "SIG_NAME": signal.Signals(sig).name,
+             "SIG_TIMES": str(times)}
+    proc, piddir = _start(workdir, [*LATE_SELECT, "--kv-report", "r.json"], extra)
+    return _finish(f"{signal.Signals(sig).name} x{times} at {moment}", proc, piddir, started,
+                   workdir / "r.json", set(), timeout=300.0)
+
+
+# A backend whose declaration loops in C, holding the GIL, once it marked that it started.
+GIL_HOLDING = '''
+
+import pathlib
+
+
+class GilHolding:
+    @classmethod
+    def indexes_kv_by_block_stride(cls):
+        pathlib.Path(os.environ["KVCONFORM_WORKER_PIDDIR"], "declaring.mark").touch()
+        return sum(range(10**13)) < 0
+
+
+def pytest_kvconform_backends(config):
+    return {"HOG": GilHolding}
+'''
+
+
+def terminated_in_a_gil_holding_declaration(workdir: Path) -> Outcome:
+    """SIGTERM to pytest while a backend's declaration loops holding the GIL in test_kv_l1
+    (``--kv-timeout 600``, far longer than the wait): the time from the signal to the exit
+    is the outcome's ``seconds``."""
+    conftest(workdir, "import os\n" + GIL_HOLDING)
+    proc, piddir = _start(workdir, ["--kv-backend", "HOG", "-k", "kv_l1 or kv_l2",
+                                    "--kv-timeout", "600", "--kv-report", "r.json"])
+    watched: set[int] = set()
+    started = time.monotonic()
+    if _wait_for(piddir, "declaring.mark", 1, proc, timeout=300):
+        time.sleep(1.0)
+        watched = descendants(proc.pid)  # the forked check and its declaration's loop
+        started = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+    outcome = _finish("SIGTERM in a GIL-holding declaration", proc, piddir, started,
+                      workdir / "r.json", watched, timeout=120.0)
+    outcome.watched.add(proc.pid)
+    return outcome
+
+
 SCENARIOS = {
     "worker-faults": worker_faults,
     "blocking-declaration": blocking_declaration,
@@ -550,4 +637,6 @@ SCENARIOS = {
     "sigterm-xdist": lambda d: killed(d, xdist=True, sig=signal.SIGTERM),
     "huge-case": huge_case,
     "hung-declaration": hung_declaration,
+    "sigterm-after-summary": lambda d: signalled_late(d, "unconfigure"),
+    "sigterm-gil-declaration": terminated_in_a_gil_holding_declaration,
 }

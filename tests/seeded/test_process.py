@@ -535,6 +535,61 @@ def test_killed_run_leaves_no_process(tmp_path: Path, xdist: bool, sig: int) -> 
     assert not any(r["status"] == "passed" and "need_True" in name for name, r in rows.items())
 
 
+@pytest.fixture(scope="module")
+def unsignalled_run(tmp_path_factory: pytest.TempPathFactory) -> faultkit.Outcome:
+    """The late-signal scenarios' run with no signal: its exit status and verdict."""
+    return faultkit.signalled_late(tmp_path_factory.mktemp("unsignalled"), None)
+
+
+@needs_omni
+@pytest.mark.delivers_signal
+@pytest.mark.parametrize(("moment", "sig", "times"), [
+    ("sessionfinish", signal.SIGTERM, 1), ("unconfigure", signal.SIGTERM, 1),
+    ("unconfigure", signal.SIGINT, 1), ("atexit", signal.SIGINT, 1),
+    ("atexit", signal.SIGTERM, 2)], ids=["sigterm-sessionfinish", "sigterm-after-summary",
+                                         "sigint-after-summary", "sigint-at-exit",
+                                         "sigterm-twice-at-exit"])
+def test_a_signal_as_the_run_ends_keeps_its_own_exit_status_and_prints_no_traceback(
+        tmp_path: Path, unsignalled_run: faultkit.Outcome, moment: str, sig: int,
+        times: int) -> None:
+    """From its end-of-run hooks to the interpreter's exit, SIGTERM or SIGINT (once, or
+    twice) leaves the run's own exit status, which its report on disk agrees with."""
+    baseline = unsignalled_run
+    assert baseline.report is not None and baseline.returncode == 0, baseline.output[-3000:]
+    outcome = faultkit.signalled_late(tmp_path, moment, sig, times)
+    assert outcome.returncode == baseline.returncode, outcome.output[-3000:]
+    assert "Traceback" not in outcome.output, outcome.output[-3000:]
+    assert outcome.report is not None and outcome.report_error is None, outcome.report_error
+    assert outcome.report["verdict"] == baseline.report["verdict"]
+    name = signal.Signals(sig).name
+    assert (f"kvconform: {name} while the run was finishing: it ends with its own exit "
+            "status") in outcome.output, outcome.output[-3000:]
+    if times == 2:
+        assert f"kvconform: {name} again: exiting at once with status 0" in outcome.output
+    _no_process_left(outcome)
+
+
+@needs_omni
+@pytest.mark.delivers_signal
+def test_sigterm_ends_a_run_held_by_a_gil_holding_declaration_within_seconds(
+        tmp_path: Path) -> None:
+    """A declaration looping in C never lets a handler of the process it runs in run; it
+    runs in a child, so SIGTERM to pytest ends the run in seconds, with a report whose
+    interruption names the call, and no process left (the child with the loop included)."""
+    outcome = faultkit.terminated_in_a_gil_holding_declaration(tmp_path)
+    assert outcome.returncode == pytest.ExitCode.INTERRUPTED, outcome.output[-3000:]
+    assert outcome.seconds < 10, outcome.seconds
+    assert "Traceback" not in outcome.output, outcome.output[-3000:]
+    assert outcome.report is not None and outcome.report["verdict"] == "interrupted"
+    interruption = outcome.report["run"]["interruption"]
+    assert re.match(r"SIGTERM: the run was terminated while KV-L1 \[backend=HOG\] had waited "
+                    r"[\d.]+s for HOG\.indexes_kv_by_block_stride\(\) \(the backend's layout "
+                    r"declaration\), in kvconform/test_layout\.py::test_kv_l1\[HOG\]$",
+                    interruption), interruption
+    assert len(outcome.watched) >= 2  # pytest and the child running the check
+    _no_process_left(outcome)
+
+
 @pytest.mark.parametrize("where", ["configure", "sessionstart"])
 def test_ctrl_c_during_start_up_leaves_a_verdict_and_a_report(tmp_path: Path,
                                                               where: str) -> None:
