@@ -78,6 +78,9 @@ class CheckResult:
     duration_s: float = 0.0
     via: str | None = None  # the production entry point a KV-A check drove
     seeded_fault: str | None = None
+    # An error the backend's own code caused: the call into its class that hung, ended its
+    # process or ran out of memory (it speaks for the backend, whatever the clause).
+    caused_by: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -331,6 +334,7 @@ def _execute_check(run: _Run, device: str, kv_workers: Any,
     started = time.monotonic()
     skip_kind: SkipKind | None = None
     error_kind: ErrorKind | None = None
+    caused_by: str | None = None
     if run.no_case is not None:  # not forgiven: the caller's selection left nothing to check
         return CheckResult(clause=run.clause.id, backend=run.backend_label, case=None,
                            layout=None, status="skipped", message=run.no_case,
@@ -354,6 +358,7 @@ def _execute_check(run: _Run, device: str, kv_workers: Any,
         status, message = "failed", str(failure)
     except HarnessError as exc:
         status, message, error_kind = "error", f"{type(exc).__name__}: {exc}", exc.kind
+        caused_by = exc.caused_by
     except Exception as exc:  # the one outcome rule, as under pytest (faults.harness_kind)
         error_kind = harness_kind(exc)
         if error_kind is None:  # the installed code raised and the check let it through
@@ -370,4 +375,4 @@ def _execute_check(run: _Run, device: str, kv_workers: Any,
         case=run.case.id if run.case is not None else None, layout=run.layout,
         status=status, message=message, skip_kind=skip_kind, error_kind=error_kind,
         test=run.test_id, duration_s=round(time.monotonic() - started, 4),
-        via="; ".join(via) or None)
+        via="; ".join(via) or None, caused_by=caused_by)

@@ -50,3 +50,64 @@ build-backend = "setuptools.build_meta"
 name = "{name}"
 version = "0.1"
 '''
+
+
+# Backends whose own code misbehaves, each as a hostile backend repository's would: a
+# declaration looping in C (it never lets go of the GIL), one that blocks, and a class that
+# ends (or asks for 1 TiB in) the KV-A worker production's engine runs it in.
+HOSTILE_BACKENDS = '''"""Backends whose own code hangs, holds the GIL, kills its process or asks for 1 TiB."""
+
+import multiprocessing
+import os
+import pathlib
+import time
+
+from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
+
+
+def _in_a_worker() -> bool:
+    """Inside a process the run started (a KV-A worker), not the one judging."""
+    return multiprocessing.parent_process() is not None
+
+
+class GilHoldingBackend(SDPABackend):
+    supports_paged_kv = True
+
+    @classmethod
+    def indexes_kv_by_block_stride(cls) -> bool:
+        mark = os.environ.get("HOSTILE_MARK")
+        if mark:
+            pathlib.Path(mark).touch()
+        return sum(range(10**13)) < 0  # a loop in C: the GIL is never released
+
+
+class SleepingBackend(SDPABackend):
+    supports_paged_kv = True
+
+    @classmethod
+    def indexes_kv_by_block_stride(cls) -> bool:
+        time.sleep(3600)
+        return False
+
+
+class ExitingBackend(SDPABackend):
+    supports_paged_kv = True
+
+    @classmethod
+    def get_impl_cls(cls):
+        if _in_a_worker():
+            os._exit(0)
+        return super().get_impl_cls()
+
+
+class GreedyBackend(SDPABackend):
+    supports_paged_kv = True
+
+    @classmethod
+    def get_impl_cls(cls):
+        if _in_a_worker():
+            import torch
+
+            torch.empty(1 << 40, dtype=torch.uint8)  # 1 TiB
+        return super().get_impl_cls()
+'''

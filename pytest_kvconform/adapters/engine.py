@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_kvconform.adapters import (
+    backend_calls,
     fault_hook,
     run_env,
     tiny_pipeline,
@@ -239,6 +240,7 @@ def error_record(exc: BaseException, stage: str) -> dict[str, Any]:
         return {**remote, "stage": stage}
     return {"type": type(exc).__name__, "message": str(exc), "stage": stage,
             "where": production_frame(exc), "oom": is_out_of_memory(exc),
+            "caused_by": backend_calls.raised_through(exc),
             "host_limit": _host_limit(exc),
             "traceback": "".join(traceback.format_exception(exc))[-4000:]}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 
 from pytest_kvconform.contract.outcomes import ErrorKind, HarnessError
@@ -46,15 +47,35 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return "out of memory" in text or "can't allocate memory" in text
 
 
+_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+# torch's CPU allocator ("you tried to allocate 1099511627776 bytes") and its CUDA one
+# ("Tried to allocate 2.00 GiB").
+_ASKED = re.compile(r"tried to allocate ([\d.]+)\s*(bytes|[kmgt]i?b)\b", re.IGNORECASE)
+
+
+def asked_bytes(text: str) -> int | None:
+    """How many bytes an allocator's out-of-memory message says were asked for, if it says."""
+    found = _ASKED.search(text)
+    if found is None:
+        return None
+    unit = found.group(2).lower()
+    try:
+        return int(float(found.group(1)) * _UNITS.get(unit, 1))
+    except ValueError:
+        return None
+
+
 class OutOfMemory(HarnessError):
     """An allocation of the harness would not fit, or failed for want of memory."""
 
     kind = ErrorKind.OOM
 
-    def __init__(self, message: str, *, asked: int = 0, available: int | None = None) -> None:
+    def __init__(self, message: str, *, asked: int = 0, available: int | None = None,
+                 caused_by: str | None = None) -> None:
         self.asked = asked
         self.available = available
-        super().__init__(message)
+        super().__init__(message, caused_by=caused_by)
 
 
 @contextlib.contextmanager

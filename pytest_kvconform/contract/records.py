@@ -31,6 +31,8 @@ SKIP_KIND_PROPERTY = "kv_skip_kind"
 VIA_PROPERTY = "kv_via"
 # user_properties key naming the seeded worker fault a test's KV-A workers ran under.
 SEEDED_FAULT_PROPERTY = "kv_seeded_fault"
+# user_properties key naming the call into the backend's own code a harness error happened in.
+CAUSED_BY_PROPERTY = "kv_caused_by"
 
 
 def installed_version(dist: str) -> str | None:
@@ -119,6 +121,9 @@ class ResultRow:
     via: str | None = None  # the production entry point a KV-A check drove (VIA_PROPERTY)
     seeded_fault: str | None = None  # the seeded worker fault its KV-A workers ran under
     subject: str | None = None  # "backend" or "stack": whom it speaks for (clauses.Subject)
+    # The call into the backend's own code a harness error happened in (CAUSED_BY_PROPERTY):
+    # such a fault speaks for the backend, whatever the clause's subject.
+    caused_by: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The row as the report and its JSON hold it (keys in field order)."""

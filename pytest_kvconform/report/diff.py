@@ -4,6 +4,8 @@ Results are matched by test id (``test_kv_l6_seam[need_True]``, the node id with
 file), so reports of two stacks compare wherever the suite ran them.  Each result is one of:
 
 * failing: failed or error (or produced under a seeded worker fault);
+  one the backend's own code caused (``caused_by``: a call into its class hung, ended its
+  process or ran out of memory) is listed apart, as the backend's, never as a new failure;
 * known: xfailed, a declared known finding that still holds;
 * passing: passed, or xpassed (a known finding that no longer holds: its entry is stale);
 * unchecked: skipped, or no result at all.
@@ -54,6 +56,9 @@ class ReportDiff:
     declared: list[Change] = field(default_factory=list)  # failing -> known, passing -> known
     # Checked in both, through another production entry point (``via``: vLLM alone, ...).
     rerouted: list[Change] = field(default_factory=list)
+    # Failing in B, not in A, because the backend's own code hung, died or ran out of memory
+    # (``caused_by``): the backend's, not the stack's, so not a new failure.
+    backend_faults: list[Change] = field(default_factory=list)
     still_failing: int = 0
     environment: list[str] = field(default_factory=list)
 
@@ -117,6 +122,9 @@ def diff_reports(a: Mapping[str, Any], b: Mapping[str, Any]) -> ReportDiff:
         if cb == "failing":
             if ca == "failing":
                 diff.still_failing += 1
+            elif rb is not None and rb.get("caused_by"):
+                diff.backend_faults.append(_noted(change, f"caused by {rb.get('backend')}'s own "
+                                                          f"code: {rb['caused_by']}"))
             else:
                 diff.new_failures.append(change)
         elif cb == "passing" and ca in ("failing", "known"):
@@ -212,11 +220,13 @@ def _grouped(changes: Sequence[Change]) -> list[str]:
 
 
 def summary_line(diff: ReportDiff) -> str:
+    faults = (f", {len(diff.backend_faults)} fault(s) of the backends' own code (not the "
+              "stack's)" if diff.backend_faults else "")
     return (f"{len(diff.new_failures)} new failure(s), {len(diff.fixed)} fixed "
             f"({len(diff.stale)} stale known finding(s)), {len(diff.newly_unchecked)} newly "
             f"unchecked, {len(diff.newly_checked)} newly checked, {len(diff.declared)} newly "
-            f"declared known, {len(diff.rerouted)} checked through another entry point; "
-            f"{diff.still_failing} still failing")
+            f"declared known, {len(diff.rerouted)} checked through another entry point"
+            f"{faults}; {diff.still_failing} still failing")
 
 
 def render_diff_lines(diff: ReportDiff) -> list[str]:
@@ -225,6 +235,8 @@ def render_diff_lines(diff: ReportDiff) -> list[str]:
     sections = (
         ("Environment changes", [f"- {md_escape(c)}" for c in diff.environment]),
         ("New failures", _individual(diff.new_failures)),
+        ("Faults of the backends' own code (not the stack's)",
+         _individual(diff.backend_faults)),
         ("Fixed", _individual(diff.fixed)),
         ("Newly declared known findings", _individual(diff.declared)),
         ("Newly unchecked", _grouped(diff.newly_unchecked)),

@@ -78,10 +78,12 @@ RESULT_KEYS = (
 )
 # seeded_fault: the seeded worker fault this result's test sent its KV-A workers; via: the
 # production entry point a KV-A / KV-L6 result went through.
-# subject: "backend" or "stack" (the clause table's, per control); depends_on: the failed
-# clause a failure follows from (KV-L1, the backend's declaration).
+# subject: "backend" or "stack" (the clause table's, per control; "backend" for a fault the
+# backend's own code caused); depends_on: the failed clause a failure follows from (KV-L1,
+# the backend's declaration); caused_by: the call into the backend's own code a harness
+# error happened in (it hung, ended its process, asked for the memory).
 RESULT_OPTIONAL_KEYS = ("skip_kind", "xfail", "error_kind", "seeded_fault", "via", "subject",
-                        "depends_on")
+                        "depends_on", "caused_by")
 SUMMARY_KEYS = ("strict", "total", "by_status", "by_clause", "blocking")
 
 
@@ -327,7 +329,7 @@ def _validate_result(result: Any, where: str) -> None:
     if not CLAUSE_RE.match(result["clause"]):
         raise ReportError(f"{where}.clause", f"not a clause id: {result['clause']!r}")
     for key in ("backend", "case", "layout", "device", "reason", "xfail", "seeded_fault", "via",
-                "depends_on"):
+                "depends_on", "caused_by"):
         expect_type(result.get(key), f"{where}.{key}", str, none=True)
     if result.get("subject") not in (None, *SUBJECTS):
         raise ReportError(f"{where}.subject", f"expected one of {', '.join(SUBJECTS)}, got "

@@ -435,7 +435,23 @@ def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
         notes.append(f"seeded worker fault {names} in {len(faulted)} result(s), which speak "
                      "for the fault, not the backend")
     errors = sorted({r.get("error_kind") or "harness" for r in results
-                     if r.get("status") == "error"})
+                     if r.get("status") == "error" and not r.get("caused_by")})
     if errors:
         notes.append(f"harness errors ({', '.join(errors)}), not blamed on any backend")
+    own = [r for r in results if r.get("status") == "error" and r.get("caused_by")]
+    if own:
+        notes.append(backend_faults_text(own))
     return verdict + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def backend_faults_text(errors: Sequence[Mapping[str, Any]]) -> str:
+    """``faults of the backends' own code (timeout: HANGING.indexes_kv_by_block_stride()
+    ...)``: errors a call into a backend's class caused, which count for that backend."""
+    by_kind: dict[str, set[str]] = {}
+    for r in errors:
+        by_kind.setdefault(str(r.get("error_kind") or "harness"), set()).add(
+            f"{r.get('backend')}: {r['caused_by']}")
+    parts = [f"{kind} in {'; '.join(sorted(calls))}" for kind, calls in sorted(by_kind.items())]
+    n = len(errors)
+    return (f"{n} error{'s' if n != 1 else ''} the backend's own code caused "
+            f"({', '.join(parts)})")

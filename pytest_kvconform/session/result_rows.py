@@ -19,6 +19,7 @@ from pytest_kvconform.contract.clauses import clause_from_test_name, subject_of
 from pytest_kvconform.contract.outcome_rule import ERROR_KIND_PROPERTY
 from pytest_kvconform.contract.outcomes import ClauseFailure
 from pytest_kvconform.contract.records import (
+    CAUSED_BY_PROPERTY,
     SEEDED_FAULT_PROPERTY,
     SKIP_KIND_PROPERTY,
     VIA_PROPERTY,
@@ -66,6 +67,7 @@ def result_row(report: pytest.TestReport) -> ResultRow | None:
         reason = reason.removeprefix(FAILURE_PREFIX)
     elif wasxfail is not None:
         reason = str(wasxfail).removeprefix("reason: ")
+    caused_by = props.get(CAUSED_BY_PROPERTY) if status in ("error", "xfailed") else None
     return ResultRow(
         nodeid=report.nodeid,
         backend=props.get("kv_backend"),
@@ -81,8 +83,15 @@ def result_row(report: pytest.TestReport) -> ResultRow | None:
         error_kind=error_kind if status in ("error", "xfailed") else None,
         via=props.get(VIA_PROPERTY),
         seeded_fault=props.get(SEEDED_FAULT_PROPERTY),
-        subject=subject_of(report.nodeid.rpartition("::")[2].partition("[")[0]),
+        subject="backend" if caused_by else subject_of(test_function_of(report.nodeid)),
+        caused_by=caused_by,
     )
+
+
+def test_function_of(nodeid: str) -> str:
+    """``.../test_layout.py::test_kv_l8_alias[TORCH_SDPA]`` -> ``test_kv_l8_alias``."""
+    return nodeid.rpartition("::")[2].partition("[")[0]
+
 
 def properties_from_id(nodeid: str, *, backends: Iterable[str], layouts: Iterable[str],
                        cases: Iterable[str], device: str) -> list[tuple[str, Any]] | None:

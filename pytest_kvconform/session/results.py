@@ -27,12 +27,21 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.adapters import run_env
-from pytest_kvconform.contract.clauses import ROOT_CLAUSE
+from pytest_kvconform.contract.clauses import ROOT_CLAUSE, subject_of
 from pytest_kvconform.contract.outcome_rule import ERROR_KIND_PROPERTY, harness_kind
 from pytest_kvconform.contract.outcomes import ErrorKind, bracketed
-from pytest_kvconform.contract.records import SEEDED_FAULT_PROPERTY, ResultRow
+from pytest_kvconform.contract.records import (
+    CAUSED_BY_PROPERTY,
+    SEEDED_FAULT_PROPERTY,
+    ResultRow,
+)
 from pytest_kvconform.session.options import Options
-from pytest_kvconform.session.result_rows import prefix_crash, properties_from_id, result_row
+from pytest_kvconform.session.result_rows import (
+    prefix_crash,
+    properties_from_id,
+    result_row,
+    test_function_of,
+)
 from pytest_kvconform.session.selection import SUITE_DIR, KvSelection
 from pytest_kvconform.session.worker_output import KvWorkerOutput
 from pytest_kvconform.session.xfail_outcomes import (
@@ -130,6 +139,8 @@ class KvResults:
                 report.user_properties.append((ERROR_KIND_PROPERTY, kind))
             else:
                 kind = None  # a skip raised by a fixture is a skip
+        if kind is not None:
+            self._caused_by_backend(item, report, call.excinfo.value)
         entries = self.selection.item_entries.get(item.nodeid, [])
         if kind is not None and getattr(report, "wasxfail", None) is not None:
             known_error(report, entries, kind)
@@ -138,6 +149,24 @@ class KvResults:
         if report.failed:
             self._depends_on_declaration(item, report)
         return report
+
+    def _caused_by_backend(self, item: pytest.Item, report: pytest.TestReport,
+                           exc: BaseException) -> None:
+        """A harness error the backend's own code caused (``HarnessError.caused_by``: a call
+        into its class that hung, ended its process or asked for the memory) says so, and
+        counts for the backend: a guard of the stack run on it (KV-L8, KV-A4) never shows
+        it as the stack's regression."""
+        caused_by = getattr(exc, "caused_by", None)
+        if not isinstance(caused_by, str) or any(k == CAUSED_BY_PROPERTY
+                                                 for k, _ in report.user_properties):
+            return
+        report.user_properties.append((CAUSED_BY_PROPERTY, caused_by))
+        if not any(k == CAUSED_BY_PROPERTY for k, _ in item.user_properties):
+            item.user_properties.append((CAUSED_BY_PROPERTY, caused_by))
+        props = dict(item.user_properties)
+        if subject_of(test_function_of(item.nodeid)) == "stack":
+            prefix_crash(report, f"caused by {props.get('kv_backend')}'s own code "
+                                 f"({caused_by}): it counts for the backend, not the stack")
 
     def _depends_on_declaration(self, item: pytest.Item, report: pytest.TestReport) -> None:
         """A failure of a backend whose declaration (KV-L1) already failed in this process
@@ -258,11 +287,15 @@ class KvResults:
             tr.write_line(line)
         for line in self.worker_output.summary_lines() if self.worker_output else ():
             tr.write_line(line)
-        errors = [r for r in self.rows if r.status == "error"]
+        errors = [r for r in self.rows if r.status == "error" and not r.caused_by]
         if errors:
             kinds = sorted({r.error_kind or "harness" for r in errors})
             tr.write_line(f"kvconform: {len(errors)} harness error(s) ({', '.join(kinds)}): the "
                           "harness failed, not the backend", red=True)
+        own = [r.as_dict() for r in self.rows if r.status == "error" and r.caused_by]
+        if own:
+            tr.write_line(f"kvconform: {report_mod.backend_faults_text(own)}: they count for "
+                          "the backend, never for the stack", red=True)
         # Only once collection finished: a run stopped before it matched nothing yet.
         for entry in self.selection.stale_xfails() if self.selection.counts.counted else ():
             tr.write_line(f"kvconform: warning: stale xfail entry {entry.describe()} matched no "

@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pytest_kvconform.adapters import fault_hook, heap, run_env, worker_seams
+from pytest_kvconform.adapters import backend_calls, fault_hook, heap, run_env, worker_seams
 from pytest_kvconform.adapters.worker_extension import process_identity
 from pytest_kvconform.contract import memory
 from pytest_kvconform.contract.memory import is_out_of_memory
@@ -67,6 +67,7 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     faulthandler.enable(sys.stderr)
+    backend_calls.open_marker(backend_calls.marker_path(stderr_path))
     fault_hook.mark_pid("worker")  # $PIDDIR_ENV: a refusal is a line in this log, no more
     started = time.monotonic()
     plugins = None
@@ -106,11 +107,19 @@ def _worker_main(conn: Any, device: str, stderr_path: str, preload: Sequence[str
             return
         try:
             reply = {"ok": True, "result": state.handle(message)}
-        except _OutOfMemory as exc:
-            state.release()  # recover: the next command starts from a clean device
-            reply = {"ok": False, "oom": {"asked": exc.asked, "free": exc.free},
-                     "error": f"{type(exc.error).__name__}: {exc.error}"}
         except Exception as exc:
+            if is_out_of_memory(exc) and not isinstance(exc, _OutOfMemory):
+                # whichever command met it (a rank's start-up, the engine's run): one kind
+                exc = _OutOfMemory(_asked_of(exc), free_bytes(state.device), exc,
+                                   backend_calls.raised_through(exc))
+            if isinstance(exc, _OutOfMemory):
+                state.release()  # recover: the next command starts from a clean device
+                reply = {"ok": False, "error": f"{type(exc.error).__name__}: {exc.error}",
+                         "oom": {"asked": exc.asked, "free": exc.free,
+                                 "caused_by": exc.caused_by}}
+                _reply(conn, reply)
+                continue
+
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc(),
                      "record": engine.error_record(exc, message.get("cmd", ""))}
@@ -148,11 +157,14 @@ def _load_plugins() -> dict[str, Any]:
 
 
 class _OutOfMemory(Exception):
-    """An allocation failed for want of memory: answered as ``oom``, not as a command error."""
+    """An allocation failed for want of memory: answered as ``oom``, not as a command error.
+    ``asked``: the bytes asked for (None: unknown); ``caused_by``: the call into the
+    backend's own code it came through, if any."""
 
-    def __init__(self, asked: int, free: int | None, error: BaseException) -> None:
+    def __init__(self, asked: int | None, free: int | None, error: BaseException,
+                 caused_by: str | None = None) -> None:
         super().__init__(f"asked for {asked} bytes, {free} free")
-        self.asked, self.free, self.error = asked, free, error
+        self.asked, self.free, self.error, self.caused_by = asked, free, error, caused_by
 
 
 def free_bytes(device: str) -> int | None:
@@ -225,13 +237,16 @@ class _WorkerState:
         worker_seams.fresh_rank_env(self._rank_env)
         fault_hook.process_fault(message.get("fault"))  # hang / die: the deployment's process
         _may_have_children()
-        self.engine = engine.Engine(message["spec"])
+        spec = message["spec"]
+        backend_calls.instrument(spec.backend, engine.dotted(spec.backend_path))
+        self.engine = engine.Engine(spec)
         with _visible_devices(message.get("visible_devices")):
             report = self.engine.run(fault=message.get("fault"), control=message.get("control"),
                                      prepin=message.get("prepin"))
         if report.error and report.error.get("oom"):
             raise _OutOfMemory(_asked(report), free_bytes(self.device),
-                               RuntimeError(report.error["message"]))
+                               RuntimeError(report.error["message"]),
+                               report.error.get("caused_by"))
         return report
 
     def cmd_engine_call(self, message: dict[str, Any]) -> Any:
@@ -249,6 +264,7 @@ class _WorkerState:
         worker_seams.fresh_rank_env(self._rank_env)
         spec = message["spec"]
         fault = message.get("fault")
+        backend_calls.instrument(spec.backend, engine.dotted(spec.backend_path))
         self._seeded.enter_context(engine.backend_selected(spec))
         self._seeded.enter_context(fault_hook.seeded(fault, message.get("control")))
         self.fault = fault
@@ -273,7 +289,9 @@ class _WorkerState:
             return getattr(self.host, method)(*args, **rpc.get("kwargs", {}))
         except Exception as exc:
             if is_out_of_memory(exc):
-                raise _OutOfMemory(_asked_configs(args), free_bytes(self.device), exc) from exc
+                asked = memory.asked_bytes(str(exc)) or _asked_configs(args) or None
+                raise _OutOfMemory(asked, free_bytes(self.device), exc,
+                                   backend_calls.raised_through(exc)) from exc
             raise
 
 
@@ -290,8 +308,16 @@ def _may_have_children() -> None:
         process.daemon = False
 
 
-def _asked(report: Any) -> int:
-    return _asked_configs([report.rank_configs]) if report.rank_configs else 0
+def _asked(report: Any) -> int | None:
+    """What the failed allocation asked for: the allocator's own figure, else the configs'."""
+    asked = memory.asked_bytes(str(report.error.get("message", "")))
+    if asked is None and report.rank_configs:
+        asked = _asked_configs([report.rank_configs]) or None
+    return asked
+
+
+def _asked_of(exc: BaseException) -> int | None:
+    return memory.asked_bytes(str(exc))
 
 
 def _asked_configs(args: Sequence[Any]) -> int:

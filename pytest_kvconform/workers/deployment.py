@@ -78,9 +78,16 @@ class ParentDeployment:
                 self.started = self.handles
                 # The od_config the control plane here hands every rank.
                 od = engine.od_config(spec, selected, executor_backend=None)
-                _all(self.handles, lambda rank, handle: handle.send(
-                    {"cmd": "rank_start", "spec": spec, "rank": rank, "control": control,
-                     "od": od}), "rank_start")
+                try:
+                    _all(self.handles, lambda rank, handle: handle.send(
+                        {"cmd": "rank_start", "spec": spec, "rank": rank,
+                         "control": control, "od": od}), "rank_start")
+                except BaseException:
+                    # A rank whose start failed may hold a half-built process group (its
+                    # peer died or ran out of memory after the rendezvous): never reused.
+                    for handle in self.handles:
+                        handle.kill()
+                    raise
                 self.executor = _pipe_executor_class()(
                     od, self.handles, gathered=point.level == entry_points.EXECUTOR)
                 self.report = engine.run_control_plane(
@@ -213,16 +220,18 @@ def _all(handles: Sequence[WorkerHandle], send: Callable[[int, WorkerHandle], No
          what: str) -> list[Any]:
     """Send every rank its command first (the ranks may wait for each other), then collect.
 
-    Every reply that was asked for is read before the first error is raised, so no
-    rank's pipe is left holding a stale reply for its next request.
+    Every reply that was asked for is read before an error is raised, so no rank's pipe is
+    left holding a stale reply for its next request.  The error raised is the first one
+    the backend's own code caused, if any (a rank that died in it leaves the others
+    waiting for it until they time out), else the first.
     """
     sent: list[WorkerHandle] = []
-    error: WorkerError | None = None
+    errors: list[WorkerError] = []
     for rank, handle in enumerate(handles):
         try:
             send(rank, handle)
         except WorkerError as exc:
-            error = exc
+            errors.append(exc)
             break
         sent.append(handle)
     replies = []
@@ -230,7 +239,7 @@ def _all(handles: Sequence[WorkerHandle], send: Callable[[int, WorkerHandle], No
         try:
             replies.append(handle.receive(what))
         except WorkerError as exc:
-            error = error or exc
-    if error is not None:
-        raise error
+            errors.append(exc)
+    if errors:
+        raise next((e for e in errors if getattr(e, "caused_by", None)), errors[0])
     return replies

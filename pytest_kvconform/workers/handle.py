@@ -21,6 +21,7 @@ import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from pytest_kvconform.adapters import backend_calls
 from pytest_kvconform.workers import budget, forkserver, worker_log
 from pytest_kvconform.workers.child import _worker_main
 from pytest_kvconform.workers.fault_tally import active_fault, count_faulted
@@ -32,6 +33,7 @@ from pytest_kvconform.workers.protocol import (
     WorkerDied,
     WorkerOOM,
     WorkerTimeout,
+    backend_note,
     child_device,
 )
 
@@ -191,9 +193,13 @@ class WorkerHandle:
         if reply is not None:
             if reply.get("oom"):
                 oom = reply["oom"]
-                raise WorkerOOM(f"{self!r}: {what!r} ran out of memory on {self.device}: asked "
-                                f"for {oom['asked']} bytes, {oom['free']} bytes free "
-                                f"({reply.get('error')}); the worker dropped its allocation")
+                asked = "an unknown number of bytes" if oom.get("asked") is None else \
+                    f"{oom['asked']} bytes"
+                caused_by = oom.get("caused_by")
+                raise WorkerOOM(f"{self!r}: {what!r} ran out of memory on {self.device}"
+                                f"{backend_note(caused_by)}: asked for {asked}, {oom['free']} "
+                                f"bytes free ({reply.get('error')}); the worker dropped its "
+                                "allocation", caused_by=caused_by)
             if not reply.get("ok"):
                 raise WorkerCommandError(
                     f"{self!r}: {what!r} raised {reply.get('error')}\n"
@@ -201,12 +207,18 @@ class WorkerHandle:
                     reply.get("record"))
             return reply.get("result")
         if not ready:
+            caused_by = self.backend_call()  # read before the kill: what it was doing
             self.kill()
             limit = budget.describe(timeout) if budgeted else f"{timeout:.1f}s"
-            raise WorkerTimeout(f"{self!r} did not answer {what!r} within {limit} and was "
-                                f"killed (the pool replaces "
-                                f"it)\n--- worker stderr (tail) ---\n{self.stderr_tail()}")
+            raise WorkerTimeout(f"{self!r} did not answer {what!r} within {limit}"
+                                f"{backend_note(caused_by)} and was killed (the pool replaces "
+                                f"it)\n--- worker stderr (tail) ---\n{self.stderr_tail()}",
+                                caused_by=caused_by)
         raise self._died(f"during {what!r}")
+
+    def backend_call(self) -> str | None:
+        """The call into the backend's own code the worker was making, by its marker."""
+        return backend_calls.read_marker(backend_calls.marker_path(self.stderr_path))
 
     def _died(self, when: str) -> WorkerDied:
         self.process.join(5)
@@ -216,8 +228,10 @@ class WorkerHandle:
             how += f", killed by {signal.Signals(-code).name}"
             if code == -signal.SIGKILL:
                 how += " (the kernel's OOM killer, or someone else)"
-        return WorkerDied(f"{self!r} died {when} ({how})\n"
-                          f"--- worker stderr (tail) ---\n{self.stderr_tail()}")
+        caused_by = self.backend_call()
+        return WorkerDied(f"{self!r} died {when}{backend_note(caused_by)} ({how})\n"
+                          f"--- worker stderr (tail) ---\n{self.stderr_tail()}",
+                          caused_by=caused_by)
 
     def stderr_tail(self, chars: int = _STDERR_TAIL_CHARS) -> str:
         """The end of the worker's log; before the worker opened it, what it printed first.

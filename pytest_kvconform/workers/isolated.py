@@ -55,6 +55,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pytest_kvconform.contract import memory
 from pytest_kvconform.contract.outcome_rule import REMOTE_KIND_ATTR, harness_kind
 from pytest_kvconform.contract.outcomes import ErrorKind, HarnessError
 from pytest_kvconform.workers import budget, lifetime
@@ -110,15 +111,37 @@ def call(fn: Callable[[], T], what: str, *, where: str = "", key: Hashable | Non
         _send(("enter", what, where, _plain(key), label))
         try:
             return fn()
+        except Exception as exc:
+            raise _out_of_memory(exc, what, prefix) if backend_code else exc
         finally:
             _send(("leave",))
     if cache and key is not None and key in _cache:
         return _cache[key][1]  # type: ignore[no-any-return]
-    value: T = _Child(_Running(what, where, key, label, time.monotonic()),
-                      backend_code).run(fn, budget.bound(default))
+    try:
+        value: T = _Child(_Running(what, where, key, label, time.monotonic()),
+                          backend_code).run(fn, budget.bound(default))
+    except Exception as exc:
+        raise _out_of_memory(exc, what, prefix) if backend_code else exc
     if cache and key is not None:
         _cache[key] = (fn, value)
     return value
+
+
+def _out_of_memory(exc: Exception, what: str, prefix: str) -> Exception:
+    """An allocation the backend's code made that failed for want of memory: the ``oom``
+    error naming the call and the bytes asked for, however it surfaced (one fault, one
+    kind); any other exception as it is."""
+    if isinstance(exc, HarnessError) or not memory.is_out_of_memory(exc):
+        return exc
+    asked = memory.asked_bytes(str(exc))
+    error = memory.OutOfMemory(
+        f"{prefix}{what} ran out of memory asking for "
+        f"{'an unknown number of' if asked is None else asked} bytes "
+        f"({memory.host_available_bytes()} bytes were available): {type(exc).__name__}: "
+        f"{str(exc)[:500]}", asked=asked or 0, available=memory.host_available_bytes(),
+        caused_by=what)
+    error.__cause__ = exc
+    return error
 
 
 # --- the child -------------------------------------------------------------------------

@@ -22,7 +22,10 @@ is active, so a qualification run can refuse it.
 Process faults are harness errors (:class:`~pytest_kvconform.contract.outcomes.HarnessError`),
 never clause failures: :class:`WorkerDied`, :class:`WorkerTimeout` (the worker was
 killed; the pool replaces it on the next request) and :class:`WorkerOOM` (with the
-bytes asked for and free; the worker dropped its allocation and keeps serving).
+bytes asked for and free; the worker dropped its allocation and keeps serving).  One that
+happened inside the backend's own code (``adapters/backend_calls.py``: the worker's marker,
+or the call an out-of-memory error came through) names that call (``caused_by``): it
+counts for the backend, not for the serving stack.
 Every wait is bounded: start-up by ``STARTUP_TIMEOUT_S`` (the fork server's imports
 and the worker's own start-up each), each command by what is
 left of the per-test budget (``workers/budget.py``, ``--kv-timeout``), else ``COMMAND_TIMEOUT_S``.
@@ -87,6 +90,11 @@ class WorkerOOM(WorkerError, HarnessError):
     """An allocation in the worker ran out of memory; the message has bytes asked and free."""
 
     kind = ErrorKind.OOM
+
+
+def backend_note(caused_by: str | None) -> str:
+    """How a worker fault the backend's own code caused says so (empty when it did not)."""
+    return f" inside the backend's own code ({caused_by})" if caused_by else ""
 
 
 class WorkerCommandError(WorkerError):

@@ -15,15 +15,19 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
+from pytest_kvconform.report.diff import diff_reports
 from pytest_kvconform.report.verdict import EXIT_STACK_REGRESSED
-from tests.backend_repo_files import SDPA_BACKENDS, pyproject
+from tests.backend_repo_files import HOSTILE_BACKENDS, SDPA_BACKENDS, pyproject
 from tests.conftest import needs_omni
-from tests.wheel_env import REPO, WheelEnv, run
+from tests.wheel_env import REPO, WheelEnv, clean_env, run
 
 BACKEND_REPO = {
     "pyproject.toml": pyproject("my-backends") + textwrap.dedent('''
@@ -266,3 +270,169 @@ def test_the_readme_quickstart_and_ci_job_run_as_written(wheel_env: WheelEnv,
         assert done.returncode == 0, f"{step}\n{out[-6000:]}"
     assert "kvconform: verdict for MY_ATTN: qualified" in out, out[-6000:]
     assert json.loads((repo / "kv-report.json").read_text())["verdict"] == "qualified"
+
+
+HOSTILE_REPO = {
+    "pyproject.toml": pyproject("hostile-backends") + textwrap.dedent('''
+        [tool.setuptools]
+        packages = ["hostile_backends"]
+    '''),
+    "hostile_backends/__init__.py": "",
+    "hostile_backends/attention.py": HOSTILE_BACKENDS,
+    "conftest.py": '''
+        def pytest_kvconform_backends(config):
+            return {"HOG": "hostile_backends.attention:GilHoldingBackend",
+                    "SLEEPY": "hostile_backends.attention:SleepingBackend",
+                    "EXITS": "hostile_backends.attention:ExitingBackend",
+                    "GREEDY": "hostile_backends.attention:GreedyBackend"}
+    ''',
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_repo(wheel_env: WheelEnv, tmp_path_factory: pytest.TempPathFactory
+                 ) -> tuple[Path, Path]:
+    """(venv python, repository): backends whose own code hangs, holds the GIL, ends its
+    process or asks for 1 TiB, registered by a repository beside the session's wheel."""
+    repo = tmp_path_factory.mktemp("hostile-repo") / "hostile-backends"
+    for name, text in HOSTILE_REPO.items():
+        path = repo / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    wheel_env.install(str(repo))
+    shutil.rmtree(repo / "build", ignore_errors=True)
+    return wheel_env.python, repo
+
+
+def _processes_in(directory: Path) -> list[str]:
+    """The processes (but this one) whose working directory is ``directory``: what a run
+    started there left running."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if Path(os.readlink(entry / "cwd")) == directory:
+                found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes()[:200]!r}")
+        except OSError:
+            continue
+    return found
+
+
+def _no_process_left(repo: Path) -> None:
+    deadline = time.monotonic() + 5
+    while _processes_in(repo) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_in(repo) == []
+
+
+@needs_omni
+def test_a_gil_holding_declaration_costs_one_budget_and_the_run_ends(
+        hostile_repo: tuple[Path, Path]) -> None:
+    """A declaration looping in C holds the GIL: the child making the call is killed at
+    --kv-timeout, every later test refuses it at once, and the backend's tests take
+    --kv-timeout + 30 s at most; its faults are its own, never the stack's."""
+    python, repo = hostile_repo
+    code, out = _suite(python, repo, "--kv-backend", "HOG", "--kv-timeout", "15",
+                       "--kv-report", "r.json")
+    assert code == 1, out[-6000:]
+    report = json.loads((repo / "r.json").read_text())
+    mine = [r for r in report["results"] if r["backend"] == "HOG"]
+    assert sum(r["duration_s"] for r in mine) < 15 + 30, sorted(r["duration_s"] for r in mine)
+    paid = [r for r in mine if r["duration_s"] >= 15]
+    assert [r["nodeid"].rpartition("::")[2] for r in paid] == ["test_kv_l1[HOG]"]
+    call = "HOG.indexes_kv_by_block_stride() (the backend's layout declaration)"
+    assert paid[0]["reason"].endswith(
+        f"KV-L1 [backend=HOG]: timed out after 15.0s (what was left of the per-test budget, "
+        f"--kv-timeout=15) waiting for {call} to return (its process was killed)"), paid[0]
+    errors = [r for r in mine if r["status"] == "error"]
+    assert {(r["error_kind"], r["subject"], r["caused_by"]) for r in errors} == {
+        ("timeout", "backend", call)}
+    assert report["stack"]["regressions"] == []
+    assert report["verdict"] == "not qualified"
+    _no_process_left(repo)
+
+
+@needs_omni
+@pytest.mark.delivers_signal
+def test_sigterm_ends_a_run_held_by_a_gil_holding_declaration(
+        hostile_repo: tuple[Path, Path]) -> None:
+    python, repo = hostile_repo
+    mark = repo / "declaring.mark"
+    mark.unlink(missing_ok=True)
+    (repo / "r.json").unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [str(python), "-m", "pytest", "--kv-conformance", "-p", "no:cacheprovider",
+         "--kv-backend", "HOG", "-k", "kv_l1 or kv_l2", "--kv-timeout", "600",
+         "--kv-report", "r.json"], cwd=repo, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, env={**clean_env(), "HOSTILE_MARK": str(mark)},
+        preexec_fn=_signals_at_default)
+    try:
+        deadline = time.monotonic() + 600
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert mark.exists(), proc.communicate(timeout=60)[0][-6000:]
+        time.sleep(1)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out[-6000:]
+    assert took < 10, took
+    assert "Traceback" not in out, out[-6000:]
+    report = json.loads((repo / "r.json").read_text())
+    assert report["verdict"] == "interrupted"
+    assert re.match(r"SIGTERM: the run was terminated while KV-L1 \[backend=HOG\] had waited "
+                    r"[\d.]+s for HOG\.indexes_kv_by_block_stride\(\)",
+                    report["run"]["interruption"]), report["run"]
+    _no_process_left(repo)
+
+
+@needs_omni
+def test_the_backends_own_faults_in_workers_add_no_stack_regression(
+        hostile_repo: tuple[Path, Path]) -> None:
+    """Backends that end their KV-A worker (``os._exit(0)`` in ``get_impl_cls``), ask it
+    for 1 TiB, or whose declaration blocks: the stack's guards run on them (KV-A4, KV-L8)
+    error as their other tests do, each error names the backend's call and counts for the
+    backend; the stack shows no regression, and a diff lists them apart."""
+    python, repo = hostile_repo
+    code, out = _suite(python, repo, "--kv-backend", "EXITS", "--kv-backend", "GREEDY",
+                       "--kv-backend", "SLEEPY", "--kv-timeout", "15", "--kv-report", "r.json")
+    assert code == 1, out[-6000:]
+    report = json.loads((repo / "r.json").read_text())
+    assert report["stack"]["regressions"] == []
+    assert re.search(r"^kvconform: stack \(vllm [^)]*\): .*, no regression", out,
+                     re.MULTILINE), out[-6000:]
+    by_backend: dict[str, set[tuple[str, str | None, str | None]]] = {}
+    for r in report["results"]:
+        if r["status"] in ("failed", "error"):
+            by_backend.setdefault(r["backend"], set()).add(
+                (r["status"], r["error_kind"], r["caused_by"]))
+    assert by_backend == {
+        "EXITS": {("error", "worker-died", "ExitingBackend.get_impl_cls()")},
+        "GREEDY": {("error", "oom", "GreedyBackend.get_impl_cls()")},  # one kind, everywhere
+        "SLEEPY": {("error", "timeout", "SLEEPY.indexes_kv_by_block_stride() (the backend's "
+                                        "layout declaration)")}}, by_backend
+    guards = [r for r in report["results"] if r["caused_by"] and
+              r["nodeid"].rpartition("::")[2].startswith(("test_kv_a4", "test_kv_l8"))]
+    assert len(guards) >= 12 and {r["subject"] for r in guards} == {"backend"}
+    greedy = [r["reason"] for r in report["results"] if r["backend"] == "GREEDY"
+              and r["status"] == "error"]
+    assert all("asked for 1099511627776 bytes" in reason for reason in greedy), greedy
+    # The stack's results alone, as a run that knew no hostile backend had them: against
+    # them, these are the backends' faults, not new failures of the stack.
+    stack_only = {**report, "results": [r for r in report["results"] if not r["caused_by"]]}
+    diff = diff_reports(stack_only, report)
+    assert diff.new_failures == [] and len(diff.backend_faults) == len(
+        [r for r in report["results"] if r["caused_by"]])
+    _no_process_left(repo)
+
+
+def _signals_at_default() -> None:
+    """In the child before exec: SIGINT and SIGTERM as in a terminal, whatever this run
+    inherited (``cmd &`` starts with SIGINT ignored)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})

@@ -141,3 +141,51 @@ def test_a_failed_declaration_is_the_root_cause(repo: pytest.Pytester, kv_run: A
         "kvconform: verdict for MY_SLIP: not qualified (MY_SLIP: KV-L1 failed (root cause): "
         "KV-L1 test_kv_l1[MY_SLIP]; 5 results depend on it: KV-L2 test_kv_l2[MY_SLIP], KV-L5 "
         "test_kv_l5_unresolved[MY_SLIP], ") + "*"])
+
+
+HANGING = '''
+import time
+
+from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
+
+
+class HangingBackend(SDPABackend):
+    supports_paged_kv = True
+
+    @classmethod
+    def indexes_kv_by_block_stride(cls):
+        time.sleep(600)
+        return False
+'''
+
+
+def test_a_fault_of_the_backends_own_code_counts_for_it_not_the_stack(
+        pytester: pytest.Pytester, kv_run: Any) -> None:
+    """The stack's guards run on a backend whose declaration hangs: their timeouts are the
+    backend's (caused_by, subject backend), never the stack's regression; the one budget
+    is paid once."""
+    pytester.makepyfile(hanging_backends=HANGING)
+    pytester.makeconftest('def pytest_kvconform_backends(config):\n'
+                          '    return {"HANGING": "hanging_backends:HangingBackend"}\n')
+    pytester.syspathinsert()
+    result = kv_run("--kv-backend", "HANGING", "-k", "kv_l1 or kv_l8_canonical",
+                    "--kv-timeout", "2", "--kv-report", "r.json")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
+    data = _report(pytester)
+    rows = {r["nodeid"].rpartition("::")[2]: r for r in data["results"]}
+    call = "HANGING.indexes_kv_by_block_stride() (the backend's layout declaration)"
+    for test in ("test_kv_l1[HANGING]", "test_kv_l8_canonical_honoured[HANGING]",
+                 "test_kv_l8_canonical_refused[HANGING]"):
+        row = rows[test]
+        assert (row["status"], row["error_kind"], row["subject"], row["caused_by"]) == \
+            ("error", "timeout", "backend", call), row
+    guard = rows["test_kv_l8_canonical_honoured[HANGING]"]["reason"]
+    assert guard.startswith(f"caused by HANGING's own code ({call}): it counts for the backend, "
+                            "not the stack: "), guard
+    assert data["stack"]["regressions"] == []
+    text = result.stdout.str()
+    assert "regression" not in text and "harness error" not in text, text[-3000:]
+    own = f"3 errors the backend's own code caused (timeout in HANGING: {call})"
+    result.stdout.fnmatch_lines([f"kvconform: {own}: they count for the backend, never for "
+                                 "the stack",
+                                 f"kvconform: verdict for HANGING: not qualified (*{own}*"])

@@ -136,6 +136,31 @@ def test_a_result_checked_through_another_entry_point_is_listed() -> None:
     assert not (diff.new_failures or diff.fixed or diff.newly_unchecked or diff.newly_checked)
 
 
+def test_a_fault_the_backends_own_code_caused_is_no_new_failure_of_the_stack(
+        tmp_path: Path, capsys: Any) -> None:
+    """A stack guard run on a backend (KV-A4) that errored because the backend's own code
+    died: listed apart, never a new failure, and the gate passes."""
+    caused = "DieBackend.get_impl_cls()"
+    a = build([row("s::test_kv_a4_unadopted[DIES-bf16_h8]", "KV-A4", backend="DIES",
+                   case="bf16_h8")], backends=[backend_record("DIES")])
+    b = build([row("s::test_kv_a4_unadopted[DIES-bf16_h8]", "KV-A4", "error", backend="DIES",
+                   case="bf16_h8", error_kind="worker-died", subject="backend",
+                   caused_by=caused, reason="KV-A4 [backend=DIES, case=bf16_h8]: worker died")],
+              backends=[backend_record("DIES")])
+    assert b["stack"]["regressions"] == []
+    diff = diff_reports(a, b)
+    assert diff.new_failures == []
+    assert [(c.test, c.note) for c in diff.backend_faults] == [
+        ("test_kv_a4_unadopted[DIES-bf16_h8]", f"caused by DIES's own code: {caused}")]
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert main(["diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    text = capsys.readouterr().out
+    assert "**0 new failure(s)" in text and "1 fault(s) of the backends' own code (not the " \
+        "stack's)" in text
+    assert "### Faults of the backends' own code (not the stack's)" in text
+
+
 def test_ci_does_not_run_the_matrix() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert "kvconform matrix" not in ci and "-m matrix" not in ci
