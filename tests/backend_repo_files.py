@@ -55,7 +55,8 @@ version = "0.1"
 # Backends whose own code misbehaves, each as a hostile backend repository's would: a
 # declaration looping in C (it never lets go of the GIL), one that blocks, and a class that
 # ends (or asks for 1 TiB in) the KV-A worker production's engine runs it in.
-HOSTILE_BACKENDS = '''"""Backends whose own code hangs, holds the GIL, kills its process or asks for 1 TiB."""
+HOSTILE_BACKENDS = '''"""Backends whose own code hangs, holds the GIL, ends its process or asks
+for 1 TiB."""
 
 import multiprocessing
 import os

@@ -229,9 +229,10 @@ def run_in_child(check: Callable[..., Any], args: Sequence[Any], *, clause: str,
         value = check(*args)
         return value, list(_VIA.get() or [])
 
+    where = f"{clause}{bracketed(backend=backend, case=None, layout=None)}"
     value, via = isolated.call(body, f"the {clause} check ({getattr(check, '__name__', '?')})",
-                               where=f"{clause}{bracketed(backend=backend, case=None, layout=None)}",
-                               backend_code=False, default=budget.DEFAULT_TIMEOUT_S)
+                               where=where, backend_code=False,
+                               default=budget.DEFAULT_TIMEOUT_S)
     for entry in via:
         note_via(entry)
     return value

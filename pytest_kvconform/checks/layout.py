@@ -186,10 +186,10 @@ def _assert_supported(where: Where, name: str | None, cls: Any) -> str | None:
     def assertion() -> str | None:
         config = pinned_config(name)
         compat.assert_backend_layout_supported(config, cls)
-        return config.cache_config.kv_cache_layout  # type: ignore[no-any-return]
+        return config.cache_config.kv_cache_layout
 
     assert where.backend is not None
-    return production_with_class(where.clause, where.backend,  # type: ignore[no-any-return]
+    return production_with_class(where.clause, where.backend,
                                  "assert_backend_layout_supported", assertion)
 
 

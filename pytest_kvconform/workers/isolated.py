@@ -112,16 +112,22 @@ def call(fn: Callable[[], T], what: str, *, where: str = "", key: Hashable | Non
         try:
             return fn()
         except Exception as exc:
-            raise _out_of_memory(exc, what, prefix) if backend_code else exc
+            oom = _out_of_memory(exc, what, prefix) if backend_code else exc
+            if oom is not exc:
+                raise oom from exc
+            raise
         finally:
             _send(("leave",))
     if cache and key is not None and key in _cache:
-        return _cache[key][1]  # type: ignore[no-any-return]
+        return _cache[key][1]
     try:
         value: T = _Child(_Running(what, where, key, label, time.monotonic()),
                           backend_code).run(fn, budget.bound(default))
     except Exception as exc:
-        raise _out_of_memory(exc, what, prefix) if backend_code else exc
+        oom = _out_of_memory(exc, what, prefix) if backend_code else exc
+        if oom is not exc:
+            raise oom from exc
+        raise
     if cache and key is not None:
         _cache[key] = (fn, value)
     return value
@@ -134,14 +140,12 @@ def _out_of_memory(exc: Exception, what: str, prefix: str) -> Exception:
     if isinstance(exc, HarnessError) or not memory.is_out_of_memory(exc):
         return exc
     asked = memory.asked_bytes(str(exc))
-    error = memory.OutOfMemory(
+    return memory.OutOfMemory(
         f"{prefix}{what} ran out of memory asking for "
         f"{'an unknown number of' if asked is None else asked} bytes "
         f"({memory.host_available_bytes()} bytes were available): {type(exc).__name__}: "
         f"{str(exc)[:500]}", asked=asked or 0, available=memory.host_available_bytes(),
         caused_by=what)
-    error.__cause__ = exc
-    return error
 
 
 # --- the child -------------------------------------------------------------------------
@@ -363,7 +367,7 @@ class _Child:
                 os._exit(0)
         os.close(write_end)
         try:
-            return self._wait(read_end, timeout)  # type: ignore[no-any-return]
+            return self._wait(read_end, timeout)
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: name what was running
             self._kill()
             raise self._interrupted(exc) from None
