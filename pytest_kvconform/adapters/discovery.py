@@ -9,11 +9,11 @@ error, so its tests report it instead of vanishing.  The result is sorted by
 name: every xdist worker must collect the same tests.
 
 Importing a backend runs its code in this process.  With a ``guard`` (the session's and
-``check_backend``'s: ``workers/isolated.probe``), each import that would run code not yet
-run here (a module not imported yet, an entry point, a callable entry point's call) is
-first made in a child process the guard can give up on: one that hangs (a loop holding the
-GIL included) or ends its process makes the backend unimportable, with that reason, and
-this process never runs it.
+``check_backend``'s: ``workers/isolated.probe``), each import that would run backend code
+not yet run here (a module outside the serving stack's own packages not imported yet, an
+entry point, a callable entry point's call) is first made in a child process the guard can
+give up on: one that hangs (a loop holding the GIL included) or ends its process makes the
+backend unimportable, with that reason, and this process never runs it.
 """
 
 from __future__ import annotations
@@ -47,11 +47,18 @@ def _module_of(spec: str) -> str:
     return spec.partition(":")[0] if ":" in spec else spec.rpartition(".")[0]
 
 
+# The serving stack's own packages: discovery imports them here by design (the registry,
+# the platform), so an in-tree backend's module is the stack's code, not a backend
+# repository's; only code from elsewhere goes through the guard.
+STACK_PACKAGES = ("vllm", "vllm_omni", "torch")
+
+
 def guard_import(guard: Guard, spec: str, name: str) -> str | None:
     """The guard's reason against importing ``spec`` here; None when its module is
-    imported already (no code of it left to run) or imported fine in the guard's child."""
+    imported already (no code of it left to run), is the stack's own
+    (:data:`STACK_PACKAGES`), or imported fine in the guard's child."""
     module = _module_of(spec)
-    if not module or module in sys.modules:
+    if not module or module in sys.modules or module.partition(".")[0] in STACK_PACKAGES:
         return None
     return guard(f"importing {module} (backend {name})",
                  lambda: importlib.import_module(module))
@@ -212,7 +219,8 @@ def entry_point_backends(guard: Guard = unguarded) -> list[BackendUnderTest]:
     found: list[BackendUnderTest] = []
     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         source = f"entry-point {ep.name} ({ep.value})"
-        refused = None if ep.module in sys.modules else \
+        refused = None if ep.module in sys.modules or \
+            ep.module.partition(".")[0] in STACK_PACKAGES else \
             guard(f"loading the entry point {ep.name} ({ep.value})", ep.load)
         if refused is not None:
             found.append(BackendUnderTest(ep.name, ep.value, "entry-point", error=refused))

@@ -38,6 +38,7 @@ from pytest_kvconform.checks.common import (
     Where,
     declared_need,
     note_via,
+    supports_paged_kv,
     unsupported_as_skip,
 )
 from pytest_kvconform.checks.errors import HarnessError, SkipKind, Unsupported
@@ -79,7 +80,7 @@ def _run(clause: str, source: Source, case: Case) -> Run:
                     path=seam_backends.path(source), seam=True)
     run = Run(clause, source.name, case, need=declared_need(clause, source),
                name=source.name, path=engine.dotted(source.path))
-    if not getattr(source.cls, "supports_paged_kv", False):
+    if not supports_paged_kv(clause, source):
         raise run.skip(f"{source.name} has no paged KV support (supports_paged_kv is not True): "
                        f"production's worker refuses to serve paged KV with it ({REFUSAL} "
                        "raises NotImplementedError), so no layout reaches a worker",

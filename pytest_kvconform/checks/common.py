@@ -6,8 +6,10 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from pytest_kvconform.checks.errors import (
@@ -151,31 +153,66 @@ def backend_class(clause: str, backend: BackendUnderTest) -> Any:
     return backend.cls
 
 
+DECLARATION = "indexes_kv_by_block_stride"
+
+
 def declared_need(clause: str, backend: BackendUnderTest) -> bool:
     """``indexes_kv_by_block_stride()`` as a bool; a non-bool answer fails the clause.
 
     Clauses other than KV-L1 need the answer to know what to expect; they
     refuse to guess from a truthy non-bool, which KV-L1 reports on its own.
     """
-    cls = backend_class(clause, backend)
-    method = getattr(cls, "indexes_kv_by_block_stride", None)
-    if method is None or not callable(method):
+    facts = _facts(clause, backend)
+    found = facts["need"]
+    if found[0] in ("missing", "not callable"):
         raise ClauseFailure(clause, "backend declares no callable indexes_kv_by_block_stride(); "
                             "its layout need is unknown (see KV-L1)", backend=backend.name)
+    if found[0] == "raised":
+        raise ClauseFailure(clause, f"indexes_kv_by_block_stride() raised {found[1]} (see KV-L1)",
+                            backend=backend.name)
+    if found[0] != "bool":
+        raise ClauseFailure(clause, f"indexes_kv_by_block_stride() returned {found[1]} of type "
+                            f"{found[2]}, not bool (see KV-L1)", backend=backend.name)
+    return bool(found[1])
+
+
+def supports_paged_kv(clause: str, backend: BackendUnderTest) -> bool:
+    """Whether the backend's class says ``supports_paged_kv`` (production serves paged KV
+    only with one that does), read as the declaration is (:func:`declared_need`)."""
+    return bool(_facts(clause, backend)["paged"])
+
+
+def _facts(clause: str, backend: BackendUnderTest) -> dict[str, Any]:
+    """What the checks read off a backend's class, in one call into it made where this
+    process can give up on it (:func:`call_declaration`): its layout need (as plain data:
+    the kind of answer and the answer) and ``supports_paged_kv``.  Kept for the process
+    outside a child: every KV-A check reads them."""
+    cls = backend_class(clause, backend)
+    static = inspect.getattr_static(cls, DECLARATION, None)  # runs none of the class's code
+    return call_declaration(clause, backend.name, partial(_read_facts, cls),
+                            cache=True, key=backend_call_key(backend.name, static, DECLARATION))
+
+
+def _read_facts(cls: Any) -> dict[str, Any]:
+    paged = bool(getattr(cls, "supports_paged_kv", False))
+    method = getattr(cls, DECLARATION, None)
+    if method is None:
+        return {"paged": paged, "need": ("missing",)}
+    if not callable(method):
+        return {"paged": paged, "need": ("not callable",)}
     try:
-        value = call_declaration(clause, backend.name, method, cache=True)
-    except HarnessError:
-        raise
+        value = method()
     except Exception as exc:
-        raise ClauseFailure(clause, f"indexes_kv_by_block_stride() raised {exc!r} (see KV-L1)",
-                            backend=backend.name) from exc
-    if type(value) is not bool:
-        raise ClauseFailure(clause, f"indexes_kv_by_block_stride() returned {value!r} of type "
-                            f"{type(value).__name__}, not bool (see KV-L1)", backend=backend.name)
-    return value
+        if memory.is_out_of_memory(exc) or isinstance(exc, HarnessError):
+            raise  # an oom error naming the call, however it surfaces (isolated.call)
+        return {"paged": paged, "need": ("raised", repr(exc))}
+    if type(value) is bool:
+        return {"paged": paged, "need": ("bool", value)}
+    return {"paged": paged, "need": ("other", repr(value), type(value).__name__)}
 
 
-def call_declaration(clause: str, backend: str, method: Any, *, cache: bool = False) -> Any:
+def call_declaration(clause: str, backend: str, method: Any, *, cache: bool = False,
+                     key: tuple[str, str, int] | None = None) -> Any:
     """``method()`` (a backend's layout declaration), bounded by the per-test budget.
 
     Made where this process can give up on it (``workers/isolated.py``: in a child process,
@@ -185,23 +222,26 @@ def call_declaration(clause: str, backend: str, method: Any, *, cache: bool = Fa
     same backend's declaration errors at once, citing the first: one budget per hung
     backend, not one per test.  With ``cache``, an answer this process already got is
     given again without a child (the KV-A checks each read the need; KV-L1 asks three
-    times, uncached, to see that it is stable).
+    times, uncached, to see that it is stable).  ``key``: the call it stands for, when
+    ``method`` reads the declaration among other things (:func:`_facts`).
     """
-    name = _name_of(method)
+    key = key or backend_call_key(backend, method)
+    name = key[1]
     what = _DECLARATIONS.get(name, "the backend's declaration")
     return isolated.call(method, f"{backend}.{name}() ({what})",
-                         where=f"{clause} [backend={backend}]",
-                         key=backend_call_key(backend, method), label=clause, cache=cache)
+                         where=f"{clause} [backend={backend}]", key=key, label=clause,
+                         cache=cache)
 
 
-_DECLARATIONS = {"indexes_kv_by_block_stride": "the backend's layout declaration"}
+_DECLARATIONS = {DECLARATION: "the backend's layout declaration"}
 
 
-def backend_call_key(backend: str, method: Any) -> tuple[str, str, int]:
+def backend_call_key(backend: str, method: Any, name: str | None = None
+                     ) -> tuple[str, str, int]:
     """What identifies a call into a backend's class across this process and its children:
     the backend, the method's name and its function (a method replaced is another call)."""
     function = getattr(method, "__func__", method)
-    return backend, _name_of(method), id(function)
+    return backend, name or _name_of(method), id(function)
 
 
 def _name_of(method: Any) -> str:

@@ -15,6 +15,7 @@ from pytest_kvconform.checks.common import (
     cuda_init_recorder,
     declared_need,
     production_with_class,
+    supports_paged_kv,
 )
 from pytest_kvconform.checks.errors import HarnessError, SkipKind
 from pytest_kvconform.checks.layout_resolution import (
@@ -263,7 +264,7 @@ def check_kv_l6(backend: BackendUnderTest, workers: Any) -> None:
     where = Where(clause, backend=backend.name)
     compat.require_omni(clause)
     need = declared_need(clause, backend)
-    if not getattr(backend.cls, "supports_paged_kv", False):
+    if not supports_paged_kv(clause, backend):
         raise where.skip(f"{backend.name} has no paged KV support (supports_paged_kv is not "
                          "True): production serves no paged model with it "
                          f"({adoption.REFUSAL} raises NotImplementedError)",

@@ -165,6 +165,10 @@ class Check:
     # Set for the stack's guards that run on a backend (KV-L8, KV-A4); otherwise a check
     # of a discovered backend is the backend's, and any other the stack's (:attr:`subject`).
     guards_stack: bool = False
+    # Set when the check touches the backend's class only through its declaration as
+    # ``checks/common.declared_need`` reads it (itself made in a child process, and kept for
+    # the process): the check then needs no child of its own (:attr:`isolated`).
+    declaration_only: bool = False
 
     @property
     def subject(self) -> Subject:
@@ -190,10 +194,11 @@ class Check:
     @property
     def isolated(self) -> bool:
         """Whether it runs whole in a child process forked for it (``workers/isolated.py``):
-        it calls into a discovered backend's class from the checking process and drives no
+        it calls into a discovered backend's class from the checking process, beyond the
+        declaration read in a child of its own (:attr:`declaration_only`), and drives no
         KV-A worker (whose pipes live in that process; the calls it makes itself are each
         made in a child)."""
-        return "backend" in self.args and not self.needs_workers
+        return "backend" in self.args and not self.needs_workers and not self.declaration_only
 
 
 @dataclass(frozen=True)
@@ -230,15 +235,17 @@ class Clause:
 
 
 def _c(module: str, name: str, *args: Arg, variant: str = "", seam: bool = False,
-       controls: tuple[str, ...] = (), guards_stack: bool = False) -> Check:
+       controls: tuple[str, ...] = (), guards_stack: bool = False,
+       declaration_only: bool = False) -> Check:
     return Check(f"pytest_kvconform.checks.{module}:{name}", args, variant, seam, controls,
-                 guards_stack)
+                 guards_stack, declaration_only)
 
 
 def _guard(module: str, name: str, *args: Arg, variant: str = "",
-           controls: tuple[str, ...] = ()) -> Check:
+           controls: tuple[str, ...] = (), declaration_only: bool = False) -> Check:
     """A check of the stack's own guard, run on a backend (its subject is the stack)."""
-    return _c(module, name, *args, variant=variant, controls=controls, guards_stack=True)
+    return _c(module, name, *args, variant=variant, controls=controls, guards_stack=True,
+              declaration_only=declaration_only)
 
 
 def _l(n: int, title: str, *checks: Check, forgiven: frozenset[SkipKind] = ALWAYS_FORGIVEN
@@ -280,9 +287,10 @@ _A6_ARGS: tuple[Arg, ...] = ("case", "workers_device", "workers_factory", "memor
 
 CLAUSES: tuple[Clause, ...] = (
     _l(1, "Declaration", _c("layout", "check_kv_l1", "backend")),
-    _l(2, "Resolution", _c("layout", "check_kv_l2", "backend")),
-    _l(3, "Precedence", _c("layout", "check_kv_l3", "backend")),
-    _l(4, "Contradiction", _c("layout", "check_kv_l4", "backend")),
+    # KV-L2..L4 and KV-L8 touch the class only through its declaration (declaration_only).
+    _l(2, "Resolution", _c("layout", "check_kv_l2", "backend", declaration_only=True)),
+    _l(3, "Precedence", _c("layout", "check_kv_l3", "backend", declaration_only=True)),
+    _l(4, "Contradiction", _c("layout", "check_kv_l4", "backend", declaration_only=True)),
     _l(5, "Enforcement",
        _c("layout", "check_kv_l5_unresolved", "backend", variant="unresolved"),
        _c("layout", "check_kv_l5_consistent", "backend", variant="consistent"),
@@ -298,19 +306,19 @@ CLAUSES: tuple[Clause, ...] = (
     # own pin): vllm-omni's resolution, run on each backend.
     _l(8, "User-selected layouts",
        _guard("layout", "check_kv_l8_canonical_honoured", "backend",
-              variant="canonical_honoured"),
+              variant="canonical_honoured", declaration_only=True),
        _guard("layout", "check_kv_l8_canonical_refused", "backend",
-              variant="canonical_refused"),
+              variant="canonical_refused", declaration_only=True),
        _guard("layout", "check_kv_l8_alias", "backend", variant="alias",
-              controls=("test_kv_l8_canonical_refused",)),
+              controls=("test_kv_l8_canonical_refused",), declaration_only=True),
        _guard("layout", "check_kv_l8_worker_disagreement", "backend",
-              variant="worker_disagreement"),
+              variant="worker_disagreement", declaration_only=True),
        _guard("layout", "check_kv_l8_worker_alias", "backend", variant="worker_alias",
-              controls=("test_kv_l8_worker_disagreement",)),
+              controls=("test_kv_l8_worker_disagreement",), declaration_only=True),
        _guard("layout", "check_kv_l8_env_honoured", "backend", "device", variant="env_honoured",
-              controls=("test_kv_l8_env_refused",)),
+              controls=("test_kv_l8_env_refused",), declaration_only=True),
        _guard("layout", "check_kv_l8_env_refused", "backend", "device", variant="env_refused",
-              controls=("test_kv_l8_env_honoured",))),
+              controls=("test_kv_l8_env_honoured",), declaration_only=True)),
     _s(1, "Production tensor", plain, _c("strides", "check_kv_s1", "layout", "case")),
     _s(2, "View addresses", dense, _c("strides", "check_kv_s2", "layout", "case", "device"),
        _c("strides", "check_kv_s2_allocate", "layout", "case", "device", variant="allocate")),

@@ -6,8 +6,9 @@ thread of the process runs again, signal handlers included, until it returns), a
 of the interpreter, ``os._exit``.  A thread cannot be stopped; a process can.  So every
 call into the class from the checking process is made in a child process forked for it
 (:func:`call`), and so is every check that calls into the class from this process and
-drives no worker process (``clauses.Check.isolated``: KV-L1..L5, KV-L7, KV-L8; a KV-A
-check's workers are processes of their own, and their pipes live here).  The outcome, a
+drives no worker process (``clauses.Check.isolated``: KV-L1, KV-L5, KV-L7; a KV-A check's
+workers are processes of their own, and their pipes live here; KV-L2..L4 and KV-L8 touch
+the class only through the declaration, itself read in a child).  The outcome, a
 value or the exception with its kind judged there by the outcome rule
 (``contract/outcome_rule.py``), comes back pickled as plain data.  When the budget
 (``--kv-timeout``) runs out, the child is killed with SIGKILL, which needs no GIL.
@@ -17,7 +18,9 @@ check sees: the backend's class as discovered, the faults planted into productio
 process for this test, the budget, the hangs remembered.  A copy made anywhere else (the
 KV-A workers' fork server, a process started before the plants) would check something
 else.  Forking a process that imported vLLM costs tens of milliseconds (page tables, and
-the pages either side then writes: benchmarks/RESULTS.md).  Forking it has one hazard,
+the pages the child writes, its exit: benchmarks/RESULTS.md), and a child keeps nothing it
+imports, so a check whose production code imports much is better run here, reading the
+class only through the bounded declaration (``Check.declaration_only``).  Forking it has one hazard,
 libgomp: once torch has run an OpenMP parallel region in this process (KV-S and KV-N fill
 tensors here), its thread pool exists here only, and a child that enters a parallel region
 waits forever for threads it does not have.  So the child sets torch's intra-op threads to
@@ -70,6 +73,18 @@ _REAP_S = 5.0
 
 _channel: int | None = None  # in a child: the write end of the pipe to its parent
 _cache: dict[Hashable, tuple[Any, Any]] = {}  # key -> (the callee, pinned; its value)
+_ending: list[int] = []  # children killed, their exits not yet reaped
+
+
+def reap_ended() -> None:
+    """Reap the children killed before whose exit has come (never waits)."""
+    for pid in list(_ending):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid
+        if done:
+            _ending.remove(pid)
 
 
 def inside() -> bool:
@@ -120,6 +135,7 @@ def call(fn: Callable[[], T], what: str, *, where: str = "", key: Hashable | Non
             _send(("leave",))
     if cache and key is not None and key in _cache:
         return _cache[key][1]
+    reap_ended()
     try:
         value: T = _Child(_Running(what, where, key, label, time.monotonic()),
                           backend_code).run(fn, budget.bound(default))
@@ -202,7 +218,7 @@ class Shown:
         return self.text
 
 
-class NotPlain(TypeError):
+class NotPlain(HarnessError):
     """A child's value that is not plain data (a harness bug: checks return plain data)."""
 
 
@@ -358,22 +374,26 @@ class _Child:
     def run(self, fn: Callable[[], T], timeout: float) -> T:
         read_end, write_end = os.pipe()
         parent = os.getpid()
-        self.pid = os.fork()
-        if self.pid == 0:  # the child: never returns
-            try:
-                os.close(read_end)
-                _child_main(fn, write_end, parent)
-            finally:
-                os._exit(0)
-        os.close(write_end)
+        lifetime.c_library()  # opened here: the child arms its death signal without dlopen
         try:
+            self.pid = os.fork()
+            if self.pid == 0:  # the child: never returns
+                try:
+                    os.close(read_end)
+                    _child_main(fn, write_end, parent)
+                finally:
+                    os._exit(0)
+            os.close(write_end)
+            write_end = -1
             return self._wait(read_end, timeout)
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: name what was running
             self._kill()
             raise self._interrupted(exc) from None
         finally:
-            os.close(read_end)
-            self._kill()
+            for end in (read_end, write_end):
+                if end >= 0:
+                    os.close(end)
+            self._kill()  # done, hung or interrupted: its exit is not waited for
 
     def _wait(self, read_end: int, timeout: float) -> Any:
         deadline = time.monotonic() + timeout
@@ -458,10 +478,14 @@ class _Child:
         return interrupted
 
     def _kill(self) -> None:
+        """SIGKILL the child (which needs no GIL of it), and leave its exit to be reaped later:
+        a process that imported vLLM takes tens of milliseconds to unmap, which the other
+        core spends while this process goes on (:func:`reap_ended`)."""
         if self.pid:
             with contextlib.suppress(ProcessLookupError, ChildProcessError):
                 os.kill(self.pid, signal.SIGKILL)
-            self._reap()
+            _ending.append(self.pid)
+            self.pid = 0
 
     def _reap(self) -> str:
         """Wait for the child (killed, or ending on its own): how it ended."""

@@ -34,13 +34,27 @@ EXIT_ORPHANED = 70  # the exit code of a child whose parent went away
 POLL_S = 0.25
 
 
+_libc: list[Any] = []  # the C library, opened once
+
+
+def c_library() -> Any:
+    """The C library, opened once per process (a parent opens it before it forks, so its
+    child never takes the dynamic loader's lock another thread may have held); None where
+    it cannot be opened."""
+    if not _libc:
+        try:
+            _libc.append(ctypes.CDLL(None, use_errno=True))
+        except OSError:
+            _libc.append(None)
+    return _libc[0]
+
+
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send ``sig`` when the parent dies; False where unsupported."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
+        return int(c_library().prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
 

@@ -300,7 +300,7 @@ def test_a_declaration_holding_the_gil_is_bounded_and_leaves_no_process(
     assert "waiting for HOG.indexes_kv_by_block_stride() (the backend's layout declaration) " \
            "to return" in str(info.value)
     assert info.value.caused_by is not None
-    assert set(faultkit.descendants(os.getpid())) <= before
+    assert faultkit.wait_gone(faultkit.descendants(os.getpid()) - before) == set()
 
 
 def test_a_declaration_that_ends_its_process_is_an_error_naming_the_call(forget: None) -> None:
