@@ -99,13 +99,15 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_validate(args: argparse.Namespace) -> int:
     for path in args.reports:
         if path.endswith(".toml"):  # an expected-failures file (--kv-xfails)
-            from pytest_kvconform.session.xfails import XfailFileError, load_xfails
+            from pytest_kvconform.session import xfails
 
             try:
-                entries = load_xfails(path)
-            except XfailFileError as exc:
+                found = xfails.load_findings_file(path)
+            except xfails.XfailFileError as exc:
                 return _error(str(exc))
-            print(f"{path}: valid (expected failures: {len(entries)} entries)")
+            known_on = (f", known on {xfails.describe_conditions(found.known_on)}"
+                        if found.known_on else "")
+            print(f"{path}: valid (expected failures: {len(found.entries)} entries{known_on})")
             continue
         try:
             if is_matrix(load_report(path)):

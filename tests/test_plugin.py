@@ -185,6 +185,15 @@ def test_missing_xfails_file_is_usage_error(kv_run) -> None:
     result.stderr.fnmatch_lines(["*--kv-xfails:*nope.toml*"])
 
 
+def test_a_runaway_match_is_refused_at_start_up(pytester: pytest.Pytester, kv_run) -> None:
+    hostile = pytester.makefile(".toml", hostile='[[xfail]]\nbackend = "*"\nclause = "KV-L8"\n'
+                                'test = "test_kv_l8_alias"\nmatch = "(.+)+#"\nreason = "r"\n')
+    result = kv_run("--kv-xfails", str(hostile))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kv-xfails:*hostile.toml: *entry 1: key 'match': '(.+)+#' "
+                                 "can backtrack without end: *"])
+
+
 def test_seeded_worker_fault_is_announced_and_refused_in_strict_mode(
         kv_run, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCONFORM_WORKER_FAULT", "skip_adoption")

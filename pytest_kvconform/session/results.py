@@ -257,9 +257,12 @@ class KvResults:
             tr.write_line(f"kvconform: {len(errors)} harness error(s) ({', '.join(kinds)}): the "
                           "harness failed, not the backend", red=True)
         # Only once collection finished: a run stopped before it matched nothing yet.
-        for entry in self.selection.stale_xfails() if self.selection.counts.counted else ():
-            tr.write_line(f"kvconform: warning: stale xfail entry {entry.describe()} matched no "
-                          "test", yellow=True)
+        from pytest_kvconform.session import xfails
+
+        stale = xfails.stale_summary(self.selection.stale_xfails()
+                                     if self.selection.counts.counted else [])
+        if stale:
+            tr.write_line(f"kvconform: warning: {stale}", yellow=True)
         if self.verdict_line:
             tr.write_line(f"kvconform: verdict{self.verdict_line}")
         for line in self.stack_lines:
