@@ -349,7 +349,8 @@ def judge(
 def stack_record(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The serving stack's results told apart: its known findings (xfailed), its
     regressions (failed or errored with no known finding describing them), and known
-    findings that no longer fail (xpassed), each a list of nodeids."""
+    findings that no longer fail (xpassed), each a list of nodeids; and the same by
+    finding (:func:`finding_lifetimes`)."""
     found = dependents(results)  # a backend's broken declaration, not the stack
     stack = [r for r in results if _subject(r) == "stack" and r["nodeid"] not in found]
     return {
@@ -357,25 +358,54 @@ def stack_record(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "known": sorted(str(r["nodeid"]) for r in stack if r.get("status") == "xfailed"),
         "regressions": sorted(str(r["nodeid"]) for r in stack if r.get("status") in _FAILED),
         "fixed": sorted(str(r["nodeid"]) for r in stack if r.get("status") == "xpassed"),
+        "findings": finding_lifetimes(stack),
+    }
+
+
+# The keys of the stack record's ``findings``, in the order they are written.
+FINDINGS_KEYS = ("persists", "fixed", "new")
+
+
+def finding_lifetimes(stack: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """What became of each known finding on this stack, and what no finding describes:
+
+    * ``persists``: the known findings (their entries' ids, ``vllm_omni_0_30.toml:1
+      */KV-L8/test_kv_l8_alias``) that fail here the way they describe (a result xfailed);
+    * ``fixed``: those whose every result here passes (xpassed), none failing as described;
+    * ``new``: the stack's failures no known finding describes (nodeids).
+
+    A finding whose results partly fail and partly pass persists; its passing results are
+    in the record's ``fixed`` nodeids, and strict mode refuses them as xpasses."""
+    persists = {str(r["xfail"]) for r in stack if r.get("status") == "xfailed" and r.get("xfail")}
+    passing = {str(r["xfail"]) for r in stack if r.get("status") == "xpassed" and r.get("xfail")}
+    return {
+        "persists": sorted(persists),
+        "fixed": sorted(passing - persists),
+        "new": sorted(str(r["nodeid"]) for r in stack if r.get("status") in _FAILED),
     }
 
 
 def stack_text(results: Sequence[Mapping[str, Any]]) -> str:
-    """``6 known findings listed, no regression`` or ``1 regression no known finding
-    describes: KV-S1 test_kv_s1[LBNHC-bf16_h8]``: the stack's line, after its versions."""
+    """``7 known findings persist (47 results), 0 fixed, 0 new`` or ``..., 1 new: KV-S1
+    test_kv_s1[LBNHC-bf16_h8] (no known finding describes it)``: the stack's line, after its
+    versions."""
     rec = stack_record(results)
+    lives = rec["findings"]
     by_id = {str(r["nodeid"]): r for r in results}
-    notes = [f"{len(rec['known'])} known finding result{'s' if len(rec['known']) != 1 else ''} "
-             "listed"]
-    if rec["regressions"]:
-        n = len(rec["regressions"])
-        notes.append(f"{n} regression{'s' if n != 1 else ''} no known finding describes: "
-                     + named_tests([by_id[i] for i in rec["regressions"]]))
-    else:
-        notes.append("no regression")
-    if rec["fixed"]:
-        notes.append("known findings that no longer fail (remove their entries): "
-                     + named_tests([by_id[i] for i in rec["fixed"]]))
+    n = len(lives["persists"])
+    known = len(rec["known"])
+    notes = [f"{n} known finding{' persists' if n == 1 else 's persist'} "
+             f"({known} result{'s' if known != 1 else ''})"]
+    fixed = len(lives["fixed"])
+    notes.append(f"{fixed} fixed" + (f" (remove their entries, or narrow their versions): "
+                                     + "; ".join(lives["fixed"]) if fixed else ""))
+    new = len(lives["new"])
+    notes.append(f"{new} new" + (f" (no known finding describes them): "
+                                 + named_tests([by_id[i] for i in lives["new"]]) if new else ""))
+    still = [i for i in rec["fixed"] if str(by_id[i].get("xfail")) in lives["persists"]]
+    if still:
+        notes.append("known findings that no longer fail on some results (narrow their "
+                     "entries): " + named_tests([by_id[i] for i in still]))
     return ", ".join(notes)
 
 
