@@ -9,8 +9,8 @@ file), so reports of two stacks compare wherever the suite ran them.  Each resul
 * unchecked: skipped, or no result at all.
 
 B against A lists new failures (failing in B, not in A), fixed results (failing or known
-in A, passing in B; a known finding fixed is stale), newly unchecked results with B's
-reason, newly checked ones, results checked through another production entry point (their
+in A, passing in B; a known finding fixed is stale), the known findings that persist (known
+in both, counted by B's entries), newly unchecked results with B's reason, newly checked ones, results checked through another production entry point (their
 ``via``: vLLM alone where vllm-omni is gone), and the environment changes (versions,
 backends, the known findings file).  Two combined matrix reports are compared leg by leg.
 Stdlib only.
@@ -27,6 +27,7 @@ from pytest_kvconform.report.matrix import describe_leg, leg_outcome, short_reas
 from pytest_kvconform.report.render import UPSTREAM_ROW, md_escape
 
 ENV_KEYS = ("python", "torch", "vllm", "vllm_omni", "platform", "host")
+PERSISTS = "persists: "
 _CHECKED = ("failing", "known", "passing")
 
 
@@ -52,6 +53,7 @@ class ReportDiff:
     newly_unchecked: list[Change] = field(default_factory=list)
     newly_checked: list[Change] = field(default_factory=list)
     declared: list[Change] = field(default_factory=list)  # failing -> known, passing -> known
+    persists: list[Change] = field(default_factory=list)  # known -> known
     # Checked in both, through another production entry point (``via``: vLLM alone, ...).
     rerouted: list[Change] = field(default_factory=list)
     still_failing: int = 0
@@ -61,6 +63,11 @@ class ReportDiff:
     def stale(self) -> list[Change]:
         """Fixed results whose known finding no longer holds (its entry is stale)."""
         return [c for c in self.fixed if c.note]
+
+    @property
+    def persisting_findings(self) -> list[str]:
+        """The known findings (B's entries) still failing as they describe, known in A too."""
+        return sorted({c.note.removeprefix(PERSISTS) for c in self.persists})
 
 
 def result_key(nodeid: str) -> str:
@@ -127,6 +134,8 @@ def diff_reports(a: Mapping[str, Any], b: Mapping[str, Any]) -> ReportDiff:
         elif cb == "known" and ca != "known":
             entry = rb["xfail"] if rb is not None else None
             diff.declared.append(_noted(change, f"declared: {entry}"))
+        elif cb == "known":
+            diff.persists.append(_noted(change, f"{PERSISTS}{(rb or {}).get('xfail')}"))
         elif cb == "unchecked" and ca in _CHECKED:
             kind = (rb or {}).get("skip_kind")
             diff.newly_unchecked.append(_noted(change, f"{kind} skip" if kind else ""))
@@ -211,9 +220,17 @@ def _grouped(changes: Sequence[Change]) -> list[str]:
     return lines
 
 
+def _by_finding(changes: Sequence[Change]) -> list[tuple[str, int]]:
+    counts: dict[str, int] = {}
+    for c in changes:
+        counts[c.note.removeprefix(PERSISTS)] = counts.get(c.note.removeprefix(PERSISTS), 0) + 1
+    return sorted(counts.items())
+
+
 def summary_line(diff: ReportDiff) -> str:
     return (f"{len(diff.new_failures)} new failure(s), {len(diff.fixed)} fixed "
-            f"({len(diff.stale)} stale known finding(s)), {len(diff.newly_unchecked)} newly "
+            f"({len(diff.stale)} stale known finding(s)), {len(diff.persisting_findings)} known "
+            f"finding(s) persist ({len(diff.persists)} result(s)), {len(diff.newly_unchecked)} newly "
             f"unchecked, {len(diff.newly_checked)} newly checked, {len(diff.declared)} newly "
             f"declared known, {len(diff.rerouted)} checked through another entry point; "
             f"{diff.still_failing} still failing")
@@ -226,6 +243,8 @@ def render_diff_lines(diff: ReportDiff) -> list[str]:
         ("Environment changes", [f"- {md_escape(c)}" for c in diff.environment]),
         ("New failures", _individual(diff.new_failures)),
         ("Fixed", _individual(diff.fixed)),
+        ("Known findings that persist", [f"- `{f}` ({n} result{'s' if n != 1 else ''})"
+                                         for f, n in _by_finding(diff.persists)]),
         ("Newly declared known findings", _individual(diff.declared)),
         ("Newly unchecked", _grouped(diff.newly_unchecked)),
         ("Newly checked", _grouped(diff.newly_checked)),

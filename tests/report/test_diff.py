@@ -67,7 +67,8 @@ def test_cli_exits_1_on_a_new_failure_only(tmp_path: Path, capsys: Any) -> None:
     b.write_text(json.dumps(report_b()))
     assert main(["diff", str(a), str(b)]) == 1
     text = capsys.readouterr().out
-    assert "**1 new failure(s), 2 fixed (1 stale known finding(s)), 2 newly unchecked, " \
+    assert "**1 new failure(s), 2 fixed (1 stale known finding(s)), 0 known finding(s) persist " \
+           "(0 result(s)), 2 newly unchecked, " \
            "1 newly checked, 0 newly declared known, 0 checked through another entry point; " \
            "1 still failing**" in text
     assert "- `test_kv_l1[GOOD]` (KV-L1, GOOD): passed -> failed: KV-L1 violated: returned 1" \
@@ -79,6 +80,11 @@ def test_cli_exits_1_on_a_new_failure_only(tmp_path: Path, capsys: Any) -> None:
     assert "- vllm_omni: 0.30.0 -> not installed" in text
     assert main(["diff", str(b), str(b)]) == 0  # nothing new
     assert "**0 new failure(s)" in capsys.readouterr().out
+    assert main(["diff", str(a), str(a)]) == 0  # the known finding persists
+    text = capsys.readouterr().out
+    assert "**0 new failure(s), 0 fixed (0 stale known finding(s)), 1 known finding(s) persist " \
+           "(1 result(s)), " in text
+    assert f"### Known findings that persist\n\n- `{KNOWN}` (1 result)\n" in text
     assert main(["diff", str(b), str(a)]) == 1  # L2 fails again
 
 
