@@ -366,22 +366,26 @@ def stack_record(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 FINDINGS_KEYS = ("persists", "fixed", "new")
 
 
-def finding_lifetimes(stack: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
-    """What became of each known finding on this stack, and what no finding describes:
+def finding_lifetimes(results: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """What became of each known finding in ``results`` (the stack's, for its record; a
+    whole deployment's, for a matrix leg), and what no finding describes:
 
     * ``persists``: the known findings (their entries' ids, ``vllm_omni_0_30.toml:1
-      */KV-L8/test_kv_l8_alias``) that fail here the way they describe (a result xfailed);
-    * ``fixed``: those whose every result here passes (xpassed), none failing as described;
-    * ``new``: the stack's failures no known finding describes (nodeids).
+      */KV-L8/test_kv_l8_alias``) that still show as they describe: a result xfailed, or
+      a skip the entry declares;
+    * ``fixed``: those whose every result here passes (xpassed), none showing as described;
+    * ``new``: the failures no known finding describes (nodeids).
 
     A finding whose results partly fail and partly pass persists; its passing results are
-    in the record's ``fixed`` nodeids, and strict mode refuses them as xpasses."""
-    persists = {str(r["xfail"]) for r in stack if r.get("status") == "xfailed" and r.get("xfail")}
-    passing = {str(r["xfail"]) for r in stack if r.get("status") == "xpassed" and r.get("xfail")}
+    xpasses, which strict mode refuses."""
+    persists = {str(r["xfail"]) for r in results
+                if r.get("status") in ("xfailed", "skipped") and r.get("xfail")}
+    passing = {str(r["xfail"]) for r in results
+               if r.get("status") == "xpassed" and r.get("xfail")}
     return {
         "persists": sorted(persists),
         "fixed": sorted(passing - persists),
-        "new": sorted(str(r["nodeid"]) for r in stack if r.get("status") in _FAILED),
+        "new": sorted(str(r["nodeid"]) for r in results if r.get("status") in _FAILED),
     }
 
 
