@@ -10,9 +10,10 @@ file), so reports of two stacks compare wherever the suite ran them.  Each resul
 
 B against A lists new failures (failing in B, not in A), fixed results (failing or known
 in A, passing in B; a known finding fixed is stale), the known findings that persist (known
-in both, counted by B's entries), newly unchecked results with B's reason, newly checked ones, results checked through another production entry point (their
-``via``: vLLM alone where vllm-omni is gone), and the environment changes (versions,
-backends, the known findings file).  Two combined matrix reports are compared leg by leg.
+in both, counted by B's entries), newly unchecked results with B's reason, newly checked
+ones, results checked through another production entry point (their ``via``: vLLM alone
+where vllm-omni is gone), and the environment changes (versions, backends, the known
+findings file).  Two combined matrix reports are compared leg by leg.
 Stdlib only.
 """
 
@@ -230,9 +231,10 @@ def _by_finding(changes: Sequence[Change]) -> list[tuple[str, int]]:
 def summary_line(diff: ReportDiff) -> str:
     return (f"{len(diff.new_failures)} new failure(s), {len(diff.fixed)} fixed "
             f"({len(diff.stale)} stale known finding(s)), {len(diff.persisting_findings)} known "
-            f"finding(s) persist ({len(diff.persists)} result(s)), {len(diff.newly_unchecked)} newly "
-            f"unchecked, {len(diff.newly_checked)} newly checked, {len(diff.declared)} newly "
-            f"declared known, {len(diff.rerouted)} checked through another entry point; "
+            f"finding(s) persist ({len(diff.persists)} result(s)), "
+            f"{len(diff.newly_unchecked)} newly unchecked, {len(diff.newly_checked)} newly "
+            f"checked, {len(diff.declared)} newly declared known, {len(diff.rerouted)} checked "
+            "through another entry point; "
             f"{diff.still_failing} still failing")
 
 

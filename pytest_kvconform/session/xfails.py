@@ -298,9 +298,12 @@ def load_findings_file(path: str | Path) -> FindingsFile:
 def _within(entry: XfailEntry, known_on: Mapping[str, SpecifierSet]) -> XfailEntry:
     """The entry's version conditions and its file's ``[known_on]``, both: however the
     file is applied (``auto`` or named), no entry applies where its file is not known."""
-    narrowed = {key: spec if getattr(entry, key) is None else getattr(entry, key) & spec
-                for key, spec in known_on.items()}
-    return replace(entry, **narrowed) if narrowed else entry
+    def within(own: SpecifierSet | None, key: str) -> SpecifierSet | None:
+        outer = known_on.get(key)
+        return own if outer is None else outer if own is None else own & outer
+
+    return replace(entry, vllm=within(entry.vllm, "vllm"),
+                   vllm_omni=within(entry.vllm_omni, "vllm_omni"))
 
 
 def _parse_known_on(file: str, table: Any) -> dict[str, SpecifierSet]:
