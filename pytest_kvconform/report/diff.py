@@ -10,7 +10,7 @@ file), so reports of two stacks compare wherever the suite ran them.  Each resul
 
 B against A lists new failures (failing in B, not in A), fixed results (failing or known
 in A, passing in B; a known finding fixed is stale), the known findings that persist (known
-in both, counted by B's entries), newly unchecked results with B's reason, newly checked
+in both, or in B on a result A did not check by a finding A knows; counted by B's entries), newly unchecked results with B's reason, newly checked
 ones, results checked through another production entry point (their ``via``: vLLM alone
 where vllm-omni is gone), and the environment changes (versions, backends, the known
 findings file).  Two combined matrix reports are compared leg by leg.
@@ -54,7 +54,8 @@ class ReportDiff:
     newly_unchecked: list[Change] = field(default_factory=list)
     newly_checked: list[Change] = field(default_factory=list)
     declared: list[Change] = field(default_factory=list)  # failing -> known, passing -> known
-    persists: list[Change] = field(default_factory=list)  # known -> known
+    # known -> known, or a result A did not check known by a finding A knows
+    persists: list[Change] = field(default_factory=list)
     # Checked in both, through another production entry point (``via``: vLLM alone, ...).
     rerouted: list[Change] = field(default_factory=list)
     still_failing: int = 0
@@ -107,6 +108,9 @@ def diff_reports(a: Mapping[str, Any], b: Mapping[str, Any]) -> ReportDiff:
     """B against A (two validated reports)."""
     diff = ReportDiff(environment=environment_changes(a, b))
     before, after = _results(a), _results(b)
+    # The findings A knows: one B declares on a result A never checked (a new backend's)
+    # persists there, it is not newly declared.
+    known_in_a = {r.get("xfail") for r in before.values() if outcome_class(r) == "known"}
     b_backends = {x["name"] for x in b["backends"]}
     for key in sorted(set(before) | set(after)):
         ra, rb = before.get(key), after.get(key)
@@ -132,11 +136,12 @@ def diff_reports(a: Mapping[str, Any], b: Mapping[str, Any]) -> ReportDiff:
             entry = entry or (rb["xfail"] if rb is not None and rb["status"] == "xpassed"
                               else None)
             diff.fixed.append(_noted(change, f"stale known finding: {entry}" if entry else ""))
-        elif cb == "known" and ca != "known":
+        elif cb == "known" and (ca == "known" or (ca == "unchecked" and rb is not None
+                                                  and rb.get("xfail") in known_in_a)):
+            diff.persists.append(_noted(change, f"{PERSISTS}{(rb or {}).get('xfail')}"))
+        elif cb == "known":
             entry = rb["xfail"] if rb is not None else None
             diff.declared.append(_noted(change, f"declared: {entry}"))
-        elif cb == "known":
-            diff.persists.append(_noted(change, f"{PERSISTS}{(rb or {}).get('xfail')}"))
         elif cb == "unchecked" and ca in _CHECKED:
             kind = (rb or {}).get("skip_kind")
             diff.newly_unchecked.append(_noted(change, f"{kind} skip" if kind else ""))

@@ -614,8 +614,9 @@ class KnownFindings:
 
     @property
     def option(self) -> str | None:
-        """What the report's options record as the files applied (None: none)."""
-        return ", ".join(str(p) for p in self.paths) or None
+        """What the report's options record as the files applied (None: none): a shipped
+        file by its place in the package, so two environments' reports name it alike."""
+        return ", ".join(_shown(p) for p in self.paths) or None
 
 
 def _shown(path: Path) -> str:

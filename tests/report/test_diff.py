@@ -145,3 +145,21 @@ def test_a_result_checked_through_another_entry_point_is_listed() -> None:
 def test_ci_does_not_run_the_matrix() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert "kvconform matrix" not in ci and "-m matrix" not in ci
+
+
+def test_a_known_finding_on_a_new_backend_persists() -> None:
+    """B's new backend fails as a finding A knows: the finding persists (on one row more),
+    it is not newly declared; a finding A never knew is."""
+    alias = row("s::test_kv_l8_alias[GOOD]", "KV-L8", "xfailed", xfail=KNOWN)
+    a = build([alias], strict=False)
+    other = "known.toml:9 */KV-L8/test_kv_l8_env_refused"
+    b = build([alias, {**alias, "nodeid": "s::test_kv_l8_alias[NEW]", "backend": "NEW"},
+               row("s::test_kv_l8_env_refused[NEW]", "KV-L8", "xfailed", backend="NEW",
+                   xfail=other)],
+              strict=False, backends=[backend_record(), backend_record("NEW", "m:N")])
+    diff = diff_reports(a, b)
+    assert [c.test for c in diff.persists] == ["test_kv_l8_alias[GOOD]", "test_kv_l8_alias[NEW]"]
+    assert diff.persisting_findings == [KNOWN]
+    assert [(c.test, c.note) for c in diff.declared] == [
+        ("test_kv_l8_env_refused[NEW]", f"declared: {other}")]
+    assert not diff.new_failures
