@@ -10,7 +10,8 @@ file), so reports of two stacks compare wherever the suite ran them.  Each resul
 
 B against A lists new failures (failing in B, not in A), fixed results (failing or known
 in A, passing in B; a known finding fixed is stale), the known findings that persist (known
-in both, or in B on a result A did not check by a finding A knows; counted by B's entries), newly unchecked results with B's reason, newly checked
+or declared in both, or in B on a result A did not check by a finding A knows; counted by
+B's entries), newly unchecked results with B's reason, newly checked
 ones, results checked through another production entry point (their ``via``: vLLM alone
 where vllm-omni is gone), and the environment changes (versions, backends, the known
 findings file).  Two combined matrix reports are compared leg by leg.
@@ -54,7 +55,7 @@ class ReportDiff:
     newly_unchecked: list[Change] = field(default_factory=list)
     newly_checked: list[Change] = field(default_factory=list)
     declared: list[Change] = field(default_factory=list)  # failing -> known, passing -> known
-    # known -> known, or a result A did not check known by a finding A knows
+    # known (or a declared skip) in both, or on a result A did not check by a finding A knows
     persists: list[Change] = field(default_factory=list)
     # Checked in both, through another production entry point (``via``: vLLM alone, ...).
     rerouted: list[Change] = field(default_factory=list)
@@ -110,7 +111,7 @@ def diff_reports(a: Mapping[str, Any], b: Mapping[str, Any]) -> ReportDiff:
     before, after = _results(a), _results(b)
     # The findings A knows: one B declares on a result A never checked (a new backend's)
     # persists there, it is not newly declared.
-    known_in_a = {r.get("xfail") for r in before.values() if outcome_class(r) == "known"}
+    known_in_a = {r.get("xfail") for r in before.values() if _declares(r)}
     b_backends = {x["name"] for x in b["backends"]}
     for key in sorted(set(before) | set(after)):
         ra, rb = before.get(key), after.get(key)
@@ -130,15 +131,17 @@ def diff_reports(a: Mapping[str, Any], b: Mapping[str, Any]) -> ReportDiff:
             if ca == "failing":
                 diff.still_failing += 1
             else:
-                diff.new_failures.append(change)
+                fault = (rb or {}).get("seeded_fault")
+                diff.new_failures.append(
+                    _noted(change, f"under the seeded worker fault {fault}" if fault else ""))
         elif cb == "passing" and ca in ("failing", "known"):
             entry = (ra or {}).get("xfail") if ca == "known" else None
             entry = entry or (rb["xfail"] if rb is not None and rb["status"] == "xpassed"
                               else None)
             diff.fixed.append(_noted(change, f"stale known finding: {entry}" if entry else ""))
-        elif cb == "known" and (ca == "known" or (ca == "unchecked" and rb is not None
-                                                  and rb.get("xfail") in known_in_a)):
-            diff.persists.append(_noted(change, f"{PERSISTS}{(rb or {}).get('xfail')}"))
+        elif rb is not None and _declares(rb) and (
+                _declares(ra) or (ca == "unchecked" and rb.get("xfail") in known_in_a)):
+            diff.persists.append(_noted(change, f"{PERSISTS}{rb.get('xfail')}"))
         elif cb == "known":
             entry = rb["xfail"] if rb is not None else None
             diff.declared.append(_noted(change, f"declared: {entry}"))
@@ -150,6 +153,13 @@ def diff_reports(a: Mapping[str, Any], b: Mapping[str, Any]) -> ReportDiff:
         elif ra is not None and rb is not None and ra.get("via") != rb.get("via"):
             diff.rerouted.append(_noted(change, f"via {rb.get('via') or 'the default path'}"))
     return diff
+
+
+def _declares(result: Mapping[str, Any] | None) -> bool:
+    """A known finding shows on the result: it failed as described (xfailed), or skipped
+    the way an entry declares (a backend that does not import)."""
+    return (result is not None and bool(result.get("xfail"))
+            and result["status"] in ("xfailed", "skipped"))
 
 
 def _noted(change: Change, note: str) -> Change:

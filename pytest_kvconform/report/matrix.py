@@ -40,8 +40,8 @@ from pytest_kvconform.report.verdict import (
     FINDINGS_KEYS,
     STATUSES,
     VERDICTS,
-    interruption_of,
     finding_lifetimes,
+    interruption_of,
     left_out,
 )
 

@@ -351,8 +351,7 @@ def stack_record(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     regressions (failed or errored with no known finding describing them), and known
     findings that no longer fail (xpassed), each a list of nodeids; and the same by
     finding (:func:`finding_lifetimes`)."""
-    found = dependents(results)  # a backend's broken declaration, not the stack
-    stack = [r for r in results if _subject(r) == "stack" and r["nodeid"] not in found]
+    stack = stack_results(results)
     return {
         "results": len(stack),
         "known": sorted(str(r["nodeid"]) for r in stack if r.get("status") == "xfailed"),
@@ -360,6 +359,13 @@ def stack_record(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "fixed": sorted(str(r["nodeid"]) for r in stack if r.get("status") == "xpassed"),
         "findings": finding_lifetimes(stack),
     }
+
+
+def stack_results(results: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The stack's results (its subject), less the failures that follow from a backend's
+    broken declaration (:func:`~pytest_kvconform.report.result_notes.dependents`)."""
+    found = dependents(results)
+    return [r for r in results if _subject(r) == "stack" and r["nodeid"] not in found]
 
 
 # The keys of the stack record's ``findings``, in the order they are written.
@@ -397,14 +403,15 @@ def stack_text(results: Sequence[Mapping[str, Any]]) -> str:
     lives = rec["findings"]
     by_id = {str(r["nodeid"]): r for r in results}
     n = len(lives["persists"])
-    known = len(rec["known"])
+    known = sum(1 for r in stack_results(results) if r.get("xfail") in lives["persists"]
+                and r.get("status") in ("xfailed", "skipped"))
     notes = [f"{n} known finding{' persists' if n == 1 else 's persist'} "
              f"({known} result{'s' if known != 1 else ''})"]
     fixed = len(lives["fixed"])
-    notes.append(f"{fixed} fixed" + (f" (remove their entries, or narrow their versions): "
+    notes.append(f"{fixed} fixed" + (" (remove their entries, or narrow their versions): "
                                      + "; ".join(lives["fixed"]) if fixed else ""))
     new = len(lives["new"])
-    notes.append(f"{new} new" + (f" (no known finding describes them): "
+    notes.append(f"{new} new" + (" (no known finding describes them): "
                                  + named_tests([by_id[i] for i in lives["new"]]) if new else ""))
     still = [i for i in rec["fixed"] if str(by_id[i].get("xfail")) in lives["persists"]]
     if still:

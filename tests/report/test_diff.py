@@ -163,3 +163,19 @@ def test_a_known_finding_on_a_new_backend_persists() -> None:
     assert [(c.test, c.note) for c in diff.declared] == [
         ("test_kv_l8_env_refused[NEW]", f"declared: {other}")]
     assert not diff.new_failures
+
+
+def test_a_declared_skip_persists_and_a_seeded_failure_says_so() -> None:
+    """A backend that still does not import, as its entry declares, is a finding that
+    persists; a result produced under a seeded worker fault is a new failure naming it."""
+    skip = row("s::test_kv_l1[SAGE3]", "KV-L1", "skipped", backend="SAGE3",
+               skip_kind="backend", reason="KV-L1: no module sageattn3",
+               xfail="known.toml:5 SAGE3/*")
+    a = build([skip, row("s::test_kv_a2[GOOD-c]", "KV-A2")], strict=False)
+    b = build([skip, row("s::test_kv_a2[GOOD-c]", "KV-A2", "failed", reason="KV-A2 violated",
+                         seeded_fault="handoff_drops_layout")],
+              strict=False, env=environment(seeded_faults=["handoff_drops_layout"]))
+    diff = diff_reports(a, b)
+    assert diff.persisting_findings == ["known.toml:5 SAGE3/*"]
+    assert [(c.test, c.note) for c in diff.new_failures] == [
+        ("test_kv_a2[GOOD-c]", "under the seeded worker fault handoff_drops_layout")]
