@@ -175,6 +175,25 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
     return EXIT_OK if matrix["verdict"] == "qualified" else EXIT_GATE
 
 
+def _cmd_release_table(args: argparse.Namespace) -> int:
+    """The clone's release table and README's "Supported stacks" from a matrix run."""
+    from pytest_kvconform.crossversion.release_record import ReleaseRecordError, write_record
+    from pytest_kvconform.report import release_table
+
+    try:
+        matrix, _ = _load_matrix(args.matrix)
+        table = write_record(Path(args.root).resolve(), matrix)
+    except ReportError as exc:
+        return _error(exc.message)
+    except ReleaseRecordError as exc:
+        return _error(str(exc))
+    for row in table["legs"]:
+        print(f"kvconform: release table: {row['leg']}: {release_table.status(row)}")
+    print(f"kvconform: wrote {Path(args.root) / 'pytest_kvconform' / 'release_table.json'} and "
+          f"README.md's supported stacks")
+    return EXIT_OK
+
+
 def _cmd_merge(args: argparse.Namespace) -> int:
     try:
         named = [(path, load_report(path)) for path in args.reports]
@@ -357,6 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "none)")
     matrix.add_argument("--timeout", type=float, help="seconds each tox step may take")
     matrix.set_defaults(func=_cmd_matrix)  # takes pytest's arguments too: see main()
+
+    table = sub.add_parser("release-table", help="from a matrix run's combined report, "
+                           "rewrite the clone's release table (pytest_kvconform/"
+                           "release_table.json) and README's supported stacks")
+    table.add_argument("matrix", metavar="MATRIX.json", help="OUT/matrix.json of "
+                       "`kvconform matrix -o OUT` (its legs' reports beside it)")
+    table.add_argument("--root", default=".", help="the clone (default: .)")
+    table.set_defaults(func=_cmd_release_table)
 
     run = sub.add_parser("run", help="run the suite and print the report; other arguments "
                          "go to pytest (e.g. --kv-backend NAME, -n 2)")
