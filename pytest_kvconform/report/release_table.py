@@ -150,12 +150,14 @@ def _canonical(name: str) -> str:
 
 def installs(table: Mapping[str, Any], pins: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
     """leg -> the extra that installs its stack (pins vLLM, vllm-omni and torch exactly as
-    the row has them; ``omni`` first), for each qualified row one pins."""
+    the row has them, a torch build's local label aside; ``omni`` first), for each qualified
+    row one pins."""
     out = {}
     for row in table["legs"]:
         if not qualified(row):
             continue
-        want = {"vllm": row["vllm"], "vllm-omni": row["vllm_omni"], "torch": row["torch"]}
+        want = {"vllm": row["vllm"], "vllm-omni": row["vllm_omni"],
+                "torch": _public(row["torch"])}
         for extra in sorted(pins, key=lambda e: (e != "omni", e)):
             if all(pins[extra].get(name) == version for name, version in want.items()):
                 out[row["leg"]] = extra
