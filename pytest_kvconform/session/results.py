@@ -322,7 +322,8 @@ class KvResults:
         if self.options.report is None:
             return failed
         try:
-            json_path, md_path = report_mod.write_report(self.options.report, self.built_report)
+            json_path, md_path, page = report_mod.write_report(self.options.report,
+                                                                self.built_report)
         except (OSError, report_mod.ReportError) as exc:
             detail: Any = exc
             if isinstance(exc, OSError) and exc.strerror:
@@ -330,7 +331,7 @@ class KvResults:
             self.report_error = (f"the report could not be written to "
                                  f"{self.options.report}: {detail}")
             return pytest.ExitCode.TESTS_FAILED
-        self.report_line = f"kvconform: report written to {json_path} and {md_path}"
+        self.report_line = f"kvconform: report written to {json_path}, {md_path} and {page}"
         return failed
 
     def _exit_status(self, verdict: str, scope: list[str] | None,

@@ -566,7 +566,7 @@ def test_ctrl_c_before_the_results_plugin_exists_still_reports(
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(["kvconform: verdict: interrupted (interrupted: "
                                  "KeyboardInterrupt during start-up, before any test was "
-                                 "collected*", "kvconform: report written to r.json and r.md"])
+                                 "collected*", "kvconform: report written to r.json, r.md and r.html"])
     data = json.loads((pytester.path / "r.json").read_text())
     rp.validate_report(data)
     assert (data["verdict"], data["results"]) == ("interrupted", [])
