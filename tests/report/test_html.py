@@ -235,3 +235,36 @@ def test_the_job_summary_is_appended_where_asked(tmp_path: Path,
     assert "<script>" not in text and "`r.html`" in text
     monkeypatch.setenv(job_summary.VARIABLE, str(tmp_path))  # a directory: not writable
     assert "GITHUB_STEP_SUMMARY" in str(job_summary.append(report))
+
+
+def _luminance(hex_colour: str) -> float:
+    channels = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
+def contrast(a: str, b: str) -> float:
+    """WCAG 2's contrast ratio of two ``#rrggbb`` colours."""
+    hi, lo = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def test_every_text_colour_has_contrast_on_every_background_it_sits_on() -> None:
+    """What axe leaves "incomplete" (a glyph alone, the striped "not checked" cells), checked
+    from the palette itself: AA's 4.5:1 for each pair the style sheet puts together."""
+    css = (html.TEMPLATES / "page.css").read_text()
+    palette = dict(re.findall(r"--([a-z-]+): (#[0-9a-f]{6})", css))
+    states = [s.key for s in html_model.STATES]
+    pairs = [("ink", "paper"), ("muted", "paper"), ("muted", "band"), ("link", "paper"),
+             ("link", "band")]
+    for state in states:
+        # the glyph, the word and the count on the state's tint (the count is muted)
+        pairs += [(state, f"{state}-bg"), ("ink", f"{state}-bg"), ("muted", f"{state}-bg"),
+                  ("link", f"{state}-bg")]
+    low = [(fg, bg, round(contrast(palette[fg], palette[bg]), 2)) for fg, bg in pairs
+           if contrast(palette[fg], palette[bg]) < 4.5]
+    assert low == []
+    stripe = re.search(r"var\(--unchecked-bg\) 0 6px, (#[0-9a-f]{6}) 6px", css)
+    assert stripe is not None
+    for fg in ("unchecked", "ink", "muted"):
+        assert contrast(palette[fg], stripe[1]) >= 4.5, fg
