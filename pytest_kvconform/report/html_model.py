@@ -57,14 +57,14 @@ STATES: tuple[State, ...] = (
           "unimportable backend left it unchecked"),
     State("known", "◆", "known", "a known finding that persists (listed, not failed)"),
     State("pass", "✓", "pass", "the clause holds"),
-    State("na", "–", "n/a", "the clause does not apply here"),
+    State("na", "\u2013", "n/a", "the clause does not apply here"),
 )
 STATE = {s.key: s for s in STATES}
 # The verdicts, each with its glyph (the verdict word always beside it).
 VERDICT_GLYPHS = {"qualified": "✓", "not qualified": "✗", "partial": "◐",
                   "interrupted": "■", "not checked": "?"}
 LEG_GLYPHS = {"not built": "✗", "not importable": "✗", "no report": "✗",
-              "interrupted": "■", "not run": "–"}
+              "interrupted": "■", "not run": "\u2013"}
 FINDING_STATES = ("new", "persists", "fixed")
 FINDING_WORDS = {"new": "new: no known finding describes it",
                  "persists": "persists: its known finding still holds",
@@ -321,9 +321,10 @@ def result_groups(report: Mapping[str, Any], vias: list[str]) -> list[ResultGrou
             duration_s=float(r.get("duration_s") or 0.0), via=via,
             via_note=vias.index(why) + 1 if why is not None else None,
             skip_kind=r.get("skip_kind"), error_kind=r.get("error_kind"),
-            xfail=r.get("xfail"), finding=states.get(str(r["nodeid"])), depends_on=r.get("depends_on"),
+            xfail=r.get("xfail"), finding=states.get(str(r["nodeid"])),
+            depends_on=r.get("depends_on"),
             seeded_fault=r.get("seeded_fault"), open=state in ("fail", "error", "fixed")))
-    band_order = {b: i for i, b in enumerate(clauses.SUBJECTS)}
+    band_order: dict[str, int] = {b: i for i, b in enumerate(clauses.SUBJECTS)}
     ordered = sorted(groups.values(), key=lambda g: (
         band_order.get(g.band, len(band_order)), rows.index(g.row) if g.row in rows else
         len(rows), clauses.clause_sort_key(g.clause)))
@@ -673,13 +674,14 @@ def matrix_page(matrix: Mapping[str, Any],
             page or leg["log"], "page" if page else ("log" if leg["log"] else "")))
     ran = [leg for leg in matrix["legs"] if leg["state"] == "ran"]
     results = {leg["name"]: (reports or {}).get(leg["name"], {}).get("results") for leg in ran}
-    grids = [_leg_grid(matrix, results, None, "stack", "Stack × clause",
+    grids = [_leg_grid(matrix, results, None, "stack", "Stack \u00d7 clause",
                        "one row per leg: every backend's results and the stack's, per clause")]
     backends = list(dict.fromkeys(c["backend"] for c in matrix["by_backend"]))
     backends = [b for b in backends if b != UPSTREAM_ROW] + [b for b in backends
                                                              if b == UPSTREAM_ROW]
     if backends:
-        per = _leg_grid(matrix, results, backends, "backends", "Each backend × stack × clause",
+        per = _leg_grid(matrix, results, backends, "backends",
+                        "Each backend \u00d7 stack \u00d7 clause",
                         "each backend's row on every leg that ran")
         grids.append(per)
     return MatrixPage(matrix["run"]["id"], matrix["run"]["started"], matrix["run"]["duration_s"],
@@ -702,7 +704,8 @@ def _leg_grid(matrix: Mapping[str, Any], results: Mapping[str, Any], backends: l
     by: dict[tuple[str | None, str, str], Mapping[str, Any]] = {
         (c["backend"], c["leg"], c["clause"]): c for c in cells}
     rows: list[GridRow] = []
-    for backend in backends or [None]:
+    keys: list[str | None] = list(backends) if backends is not None else [None]
+    for backend in keys:
         for leg in matrix["legs"]:
             name = str(leg["name"])
             page = page_of(leg["report"])
