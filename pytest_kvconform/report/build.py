@@ -287,8 +287,26 @@ def write_report(path: str | Path, report: Mapping[str, Any]) -> tuple[Path, Pat
 
     validate_report(report)
     json_path = report_paths(path)[0]
-    return _write_set(path, json.dumps(report, indent=2, allow_nan=False) + "\n",
-                      render_markdown(report), render_report_html(report, json_path.name))
+    page, problem = _rendered(lambda: render_report_html(report, json_path.name))
+    written = _write_set(path, json.dumps(report, indent=2, allow_nan=False) + "\n",
+                         render_markdown(report), page)
+    _refuse_unrendered(path, problem)
+    return written
+
+
+def _rendered(render: Any) -> tuple[str | None, str | None]:
+    """A page, or why it could not be rendered: the JSON and Markdown are written anyway."""
+    try:
+        return render(), None
+    except Exception as exc:  # a template's error must not cost the report
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _refuse_unrendered(path: str | Path, problem: str | None) -> None:
+    if problem is not None:
+        json_path, md_path = report_paths(path)
+        raise ReportError("$", f"{page_path(path)}: the page could not be rendered "
+                          f"({problem}); {json_path} and {md_path} are written")
 
 
 def write_matrix(path: str | Path, matrix: Mapping[str, Any],
@@ -300,8 +318,10 @@ def write_matrix(path: str | Path, matrix: Mapping[str, Any],
     from pytest_kvconform.report.html import render_matrix_html, render_report_html, write_html
 
     validate_matrix(matrix)
+    page, problem = _rendered(lambda: render_matrix_html(matrix, reports))
     written = _write_set(path, json.dumps(matrix, indent=2, allow_nan=False) + "\n",
-                         render_matrix_markdown(matrix), render_matrix_html(matrix, reports))
+                         render_matrix_markdown(matrix), page)
+    _refuse_unrendered(path, problem)
     base = written[0].parent
     for leg in matrix["legs"]:
         report = (reports or {}).get(leg["name"])
@@ -312,9 +332,10 @@ def write_matrix(path: str | Path, matrix: Mapping[str, Any],
     return written
 
 
-def _write_set(path: str | Path, json_text: str, md_text: str, html_text: str
+def _write_set(path: str | Path, json_text: str, md_text: str, html_text: str | None
                ) -> tuple[Path, Path, Path]:
-    """JSON, Markdown and page, each via a temp file and ``os.replace``, under the lock."""
+    """JSON, Markdown and page (unless None: a stale one is removed), each via a temp file
+    and ``os.replace``, under the lock."""
     json_path, md_path = report_paths(path)
     html_path = page_path(path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -323,9 +344,12 @@ def _write_set(path: str | Path, json_text: str, md_text: str, html_text: str
         try:
             for final, text in ((json_path, json_text), (md_path, md_text),
                                 (html_path, html_text)):
-                temps.append((_temp_write(final, text), final))
+                if text is not None:
+                    temps.append((_temp_write(final, text), final))
             for tmp, final in temps:
                 os.replace(tmp, final)
+            if html_text is None:
+                html_path.unlink(missing_ok=True)  # another run's page would pass for this
         finally:
             for tmp, _ in temps:
                 tmp.unlink(missing_ok=True)  # gone once renamed

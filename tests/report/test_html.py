@@ -268,3 +268,17 @@ def test_every_text_colour_has_contrast_on_every_background_it_sits_on() -> None
     assert stripe is not None
     for fg in ("unchecked", "ink", "muted"):
         assert contrast(palette[fg], stripe[1]) >= 4.5, fg
+
+
+def test_a_page_that_cannot_render_costs_neither_the_json_nor_the_markdown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any) -> str:
+        raise KeyError("a field no template knows")
+
+    monkeypatch.setattr(html, "render_report_html", broken)
+    old = tmp_path / "r.html"
+    old.write_text("another run's page")
+    with pytest.raises(rp.ReportError, match="the page could not be rendered .KeyError"):
+        rp.write_report(tmp_path / "r.json", mixed_report())
+    assert (tmp_path / "r.json").is_file() and (tmp_path / "r.md").is_file()
+    assert not old.exists()
