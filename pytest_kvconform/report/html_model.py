@@ -151,12 +151,18 @@ class Cell:
     counts: dict[str, int]  # status -> results
     href: str | None
     title: str
+    rest: list[tuple[str, int]] = field(default_factory=list)  # the other states, worst first
 
     @property
     def text(self) -> str:
         """``✗ fail 2/6``."""
         s = STATE[self.state]
         return f"{s.glyph} {s.word} {self.count}/{self.total}"
+
+    @property
+    def rest_text(self) -> str:
+        """``✓ 4 · – 1``: how many of the cell's other results are in each other state."""
+        return " · ".join(f"{STATE[k].glyph} {n}" for k, n in self.rest)
 
 
 @dataclass
@@ -166,6 +172,7 @@ class GridRow:
     cells: list[Cell | None]
     href: str | None = None  # a page of its own (a matrix leg)
     note: str | None = None  # a row with no cells says why (a leg that did not run)
+    detail: str | None = None  # under the name (a leg's stack)
 
 
 @dataclass
@@ -191,7 +198,9 @@ def _cell(results: Sequence[Mapping[str, Any]], href: str | None, where: str) ->
     statuses = Counter(str(r["status"]) for r in results)
     counts = {s: statuses[s] for s in STATUSES if statuses[s]}
     title = f"{where}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
-    return Cell(worst, states.count(worst), len(results), counts, href, title)
+    rest = [(s.key, states.count(s.key)) for s in STATES
+            if s.key != worst and s.key in states]
+    return Cell(worst, states.count(worst), len(results), counts, href, title, rest)
 
 
 def _family_order(rows: list[str], families: Mapping[str, str | None]) -> list[str]:
@@ -709,11 +718,11 @@ def _leg_grid(matrix: Mapping[str, Any], results: Mapping[str, Any], backends: l
         for leg in matrix["legs"]:
             name = str(leg["name"])
             page = page_of(leg["report"])
-            label = f"{name} ({_matrix_stack(leg)})"
+            stack = _matrix_stack(leg)
             if leg["state"] != "ran":
                 if backend is None:
-                    rows.append(GridRow(label, None, [], page or leg["log"],
-                                        f"{leg_outcome_text(leg)}"))
+                    rows.append(GridRow(name, None, [], page or leg["log"],
+                                        f"{leg_outcome_text(leg)}", stack))
                 continue
             if backend is not None and not any((backend, name, c) in by for c in columns):
                 continue
@@ -736,7 +745,7 @@ def _leg_grid(matrix: Mapping[str, Any], results: Mapping[str, Any], backends: l
                                      _status_cell(found["counts"], href, where))
                 else:
                     row_cells.append(_status_cell(found["counts"], href, where))
-            rows.append(GridRow(label, backend, row_cells, page))
+            rows.append(GridRow(name, backend, row_cells, page, detail=stack))
     return Grid(key, title, meaning, columns, rows, row_header="leg (stack)")
 
 

@@ -44,7 +44,8 @@ def summary_markdown(report: Mapping[str, Any], page: Path | None = None) -> str
         lines += [f"  - {_text(item)}" for item in note.items]
     for grid in model.report_grids(report):
         lines += ["", f"**{grid.title}** ({grid.meaning})", ""]
-        rows = [[_text(row.name), *(cell.text if cell else "" for cell in row.cells)]
+        rows = [[_text(row.name), *((cell.text + (f" ({cell.rest_text})" if cell.rest else ""))
+                                    if cell else "" for cell in row.cells)]
                 for row in grid.rows]
         lines += markdown_table([grid.row_header, *(c.removeprefix("KV-") for c in grid.columns)],
                                 rows)

@@ -175,8 +175,10 @@ def _grid_cells(page: Any) -> list[dict[str, str]]:
             const row = tr.cells[0].innerText.trim();
             [...tr.cells].slice(1).forEach((td, i) => {
               const cell = td.querySelector('.cell');
+              const text = sel => (cell.querySelector(sel) || {innerText: ''}).innerText
+                .replace(/\\s+/g, ' ').trim();
               if (cell) out.push({band: table.dataset.band, row, column: heads[i + 1],
-                                  text: cell.innerText.replace(/\\s+/g, ' ').trim(),
+                                  text: text('.gw') + ' ' + text('.n'), rest: text('.rest'),
                                   visible: cell.checkVisibility() ? 'yes' : 'no'});
             });
           }
@@ -185,8 +187,9 @@ def _grid_cells(page: Any) -> list[dict[str, str]]:
     }"""))
 
 
-def _expected_cells(report: dict[str, Any]) -> dict[tuple[str, str, str], str]:
-    """(band, row, column) -> ``✗ fail 2/6``-like text without the glyph, from the JSON."""
+def _expected_cells(report: dict[str, Any]) -> dict[tuple[str, str, str], tuple[str, str]]:
+    """(band, row, column) -> ``fail 2/6``, the cell's worst state without its glyph, and
+    the counts of its other states, worst first, from the JSON."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in report["results"]:
         key = (r["subject"], r["backend"] or "(upstream)", r["clause"].removeprefix("KV-"))
@@ -195,7 +198,8 @@ def _expected_cells(report: dict[str, Any]) -> dict[tuple[str, str, str], str]:
     for key, rows in groups.items():
         words = Counter(word(r) for r in rows)
         worst = min(words, key=WORST_FIRST.index)
-        out[key] = f"{worst} {words[worst]}/{len(rows)}"
+        others = [str(words[w]) for w in WORST_FIRST if w in words and w != worst]
+        out[key] = (f"{worst} {words[worst]}/{len(rows)}", " ".join(others))
     return out
 
 
@@ -226,7 +230,9 @@ def test_the_run_grid_matches_the_json_and_reads_without_javascript(real_run: Pa
         for key, cell in shown.items():
             assert cell["visible"] == "yes", key
             glyph, _, text = cell["text"].partition(" ")
-            assert text == expected[key], (key, cell["text"])
+            assert text == expected[key][0], (key, cell["text"])
+            counts = [n for n in cell["rest"].split() if n.isdigit()]
+            assert " ".join(counts) == expected[key][1], (key, cell["rest"])
             assert glyph and not glyph.isalnum(), cell["text"]  # a glyph before the word
         filters = page.locator("form.filters").count()
         assert filters == (1 if javascript else 0)  # the script adds filters, nothing else
@@ -325,7 +331,7 @@ def test_the_matrix_page(matrix_dir: Path, open_page: Any) -> None:
 
         assert page.locator("section.verdict").get_attribute("data-verdict-line") == \
             verdict_line(matrix)
-        cells = {(c["row"].split(" ")[0], c["column"]): c["text"] for c in _grid_cells(page)
+        cells = {(c["row"].split()[0], c["column"]): c["text"] for c in _grid_cells(page)
                  if c["band"] == "stack"}
         expected = {}
         for c in matrix["by_stack"]:
