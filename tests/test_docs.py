@@ -239,6 +239,37 @@ def test_the_documented_check_backend_signature_is_the_real_one() -> None:
     assert defaults == real_defaults
 
 
+def _clause_ids(phrase: str) -> set[str]:
+    """The clause ids a phrase names, ranges (``KV-A1..A6``) expanded."""
+    ids = set()
+    for family, first, last in re.findall(r"KV-([A-Z])(\d+)(?:\.\.[A-Z]?(\d+))?", phrase):
+        ids.update(f"KV-{family}{n}" for n in range(int(first), int(last or first) + 1))
+    return ids
+
+
+def test_the_clauses_said_to_start_workers_are_the_tables() -> None:
+    from pytest_kvconform.contract import clauses
+
+    page = text(REPO / "docs" / "backend-authors.md")
+    (started,) = re.findall(r"The clauses that stand up production's engine, (.*?), start "
+                            r"worker processes", page, re.S)
+    (skipped,) = re.findall(r"To skip the workers, pass `clauses=` without (.*?)\.(?:\s|$)",
+                            page, re.S)
+    real = {row.id for row in clauses.CLAUSES if any(c.needs_workers for c in row.checks)}
+    assert _clause_ids(started) == real
+    assert _clause_ids(skipped) == real
+
+
+def test_the_environment_check_backend_sets_is_documented() -> None:
+    from pytest_kvconform.adapters import run_env
+
+    page = text(REPO / "docs" / "backend-authors.md")
+    (bullet,) = [b for b in page.split("\n- ") if b.startswith("Importing `pytest_kvconform`")]
+    documented = dict(re.findall(r"`([A-Z_]+)=([^`]*)`", bullet))
+    assert documented == {**run_env.DEFAULTS, **run_env.CPU_DEFAULTS}
+    assert "`VLLM_PLUGINS` to the empty string" in " ".join(bullet.split())
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 
