@@ -287,6 +287,30 @@ def test_every_documented_kvconform_command_exists() -> None:
     assert not unknown, unknown
 
 
+def test_every_option_of_every_kvconform_command_is_documented() -> None:
+    """Each subcommand's flags (short forms too) and the positional defaults a reader relies
+    on are in a page's code text."""
+    import argparse
+
+    from pytest_kvconform.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if a.dest == "command"]
+    documented = "\n".join(code_text(text(page)) for page in PAGES)
+    missing = []
+    for name, parser in sub.choices.items():  # type: ignore[union-attr]
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            for option in action.option_strings:
+                if not re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", documented):
+                    missing.append(f"kvconform {name} {option}")
+            if not action.option_strings and isinstance(action.default, str) \
+                    and f"./{action.default}" not in documented:  # an output folder
+                missing.append(f"kvconform {name}: {action.metavar}'s default "
+                               f"./{action.default}")
+    assert not missing, missing
+
+
 # ----------------------------------------------------------------------------- versions
 
 
