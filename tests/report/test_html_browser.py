@@ -131,6 +131,8 @@ def diff_pages(real_run: Path, tmp_path_factory: pytest.TempPathFactory
     assert main(["html", str(workdir / "b.json")]) == 0
     assert main(["diff", str(workdir / "a.json"), str(workdir / "b.json"), "--html",
                  str(workdir / "diff.html")]) == 1
+    assert main(["merge", str(workdir / "a.json"), str(workdir / "b.json"), "--html",
+                 str(workdir / "merged.html")]) == 0
     return workdir / "diff.html", a, b
 
 
@@ -308,7 +310,8 @@ def test_axe_finds_no_serious_violation(real_run: Path, matrix_dir: Path, diff_p
                                         open_page: Any) -> None:
     from axe_playwright_python.base import AXE_SCRIPT
 
-    for path in (rp.page_path(real_run), matrix_dir / "matrix.html", diff_pages[0]):
+    for path in (rp.page_path(real_run), matrix_dir / "matrix.html", diff_pages[0],
+                 diff_pages[0].with_name("merged.html")):
         page, _, _ = open_page(path, bypass_csp=True)  # the page's policy forbids axe
         page.evaluate(AXE_SCRIPT)
         found = page.evaluate("async () => (await axe.run(document)).violations.map("
@@ -378,3 +381,31 @@ def test_the_diff_page(diff_pages: Any, open_page: Any) -> None:
     assert "<b>bold</b>" in body.inner_text()
     assert errors == []
     _shot(page, "diff-target.png")
+
+
+def test_the_filters_only_hide(real_run: Path, open_page: Any) -> None:
+    """The script's one job: with a text, only the results (and grid rows) that name it stay;
+    a state unticked hides its results."""
+    page, _, _ = open_page(rp.page_path(real_run))
+    results = page.locator(".result")
+    total = results.count()
+    page.locator("form.filters input[type=search]").fill("kv_l8_alias")
+    shown = page.evaluate("() => [...document.querySelectorAll('.result')].filter("
+                          "r => !r.hidden).map(r => r.dataset.id)")
+    assert shown and all("kv_l8_alias" in s for s in shown)
+    page.locator("form.filters input[type=search]").fill("")
+    page.locator("form.filters input[name=state-pass]").uncheck()
+    states = page.evaluate("() => [...document.querySelectorAll('.result')].filter("
+                           "r => !r.hidden).map(r => r.dataset.state)")
+    assert "pass" not in states and 0 < len(states) < total
+    assert results.count() == total  # hidden, never removed
+
+
+def test_the_merged_page(diff_pages: Any, open_page: Any) -> None:
+    path = diff_pages[0].with_name("merged.html")
+    page, requests, errors = open_page(path, javascript=False)
+    assert requests == [path.as_uri()] and errors == []
+    assert page.locator("#verdict .verdict-word").inner_text() == "not qualified"
+    hosts = page.locator("#hosts tbody tr")
+    assert hosts.count() == 2
+    assert page.locator('#hosts a[href="b.html"]').count() == 1  # B has its own page
