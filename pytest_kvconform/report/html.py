@@ -53,10 +53,9 @@ def csp() -> str:
 
 
 def facts(result: model.ResultView) -> str:
-    """``case bf16_h8 · layout LBNHC · device cpu · 0.12 s``."""
+    """``case bf16_h8 · layout LBNHC · device cpu · 0.12 s`` (its group names the backend)."""
     parts = [f"{key} {value}" for key, value in (
-        ("backend", result.backend), ("case", result.case), ("layout", result.layout),
-        ("device", result.device)) if value]
+        ("case", result.case), ("layout", result.layout), ("device", result.device)) if value]
     return " · ".join([*parts, f"{result.duration_s:.2f} s"])
 
 
@@ -82,12 +81,18 @@ def _filter_states() -> str:
 
 
 def render_report_html(report: Mapping[str, Any], json_name: str | None = None) -> str:
-    """One report's page (a validated report)."""
+    """One report's page (a validated report); over :data:`PAGE_BUDGET_BYTES`, its passing
+    and n/a results are listed by id alone (the JSON keeps their details)."""
     page = model.report_page(report, json_name)
-    return _render("report.html.j2", page.run_id, p=page, total=len(report["results"]),
-                   filter_states=_filter_states(),
-                   known_file=report["environment"]["options"].get("xfails"),
-                   has_family=any(b.get("family") for b in report["backends"]))
+    text = ""
+    for compact in (False, True):
+        text = _render("report.html.j2", page.run_id, p=page, total=len(report["results"]),
+                       filter_states=_filter_states(), compact=compact,
+                       known_file=report["environment"]["options"].get("xfails"),
+                       has_family=any(b.get("family") for b in report["backends"]))
+        if len(text.encode()) <= PAGE_BUDGET_BYTES:
+            break
+    return text
 
 
 def render_matrix_html(matrix: Mapping[str, Any],

@@ -391,7 +391,7 @@ def test_the_filters_only_hide(real_run: Path, open_page: Any) -> None:
     total = results.count()
     page.locator("form.filters input[type=search]").fill("kv_l8_alias")
     shown = page.evaluate("() => [...document.querySelectorAll('.result')].filter("
-                          "r => !r.hidden).map(r => r.dataset.id)")
+                          "r => !r.hidden).map(r => r.id || r.querySelector('.body').id)")
     assert shown and all("kv_l8_alias" in s for s in shown)
     page.locator("form.filters input[type=search]").fill("")
     page.locator("form.filters input[name=state-pass]").uncheck()

@@ -45,7 +45,8 @@
     document.querySelectorAll(".group").forEach(function (group) {
       var any = false;
       group.querySelectorAll(".result").forEach(function (r) {
-        var key = (group.id + " " + (r.getAttribute("data-id") || "")).toLowerCase();
+        var body = r.querySelector(".body");
+        var key = (group.id + " " + (r.id || (body ? body.id : ""))).toLowerCase();
         var show = boxes[r.getAttribute("data-state")].checked && key.indexOf(needle) >= 0;
         r.hidden = !show;
         if (show) { any = true; count += 1; }
