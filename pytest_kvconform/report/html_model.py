@@ -161,7 +161,7 @@ class Cell:
 
     @property
     def rest_text(self) -> str:
-        """``✓ 4 · – 1``: how many of the cell's other results are in each other state."""
+        """``✓ 4 · ◆ 1``: how many of the cell's other results are in each other state."""
         return " · ".join(f"{STATE[k].glyph} {n}" for k, n in self.rest)
 
 

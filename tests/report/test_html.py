@@ -278,7 +278,7 @@ def test_a_page_that_cannot_render_costs_neither_the_json_nor_the_markdown(
     monkeypatch.setattr(html, "render_report_html", broken)
     old = tmp_path / "r.html"
     old.write_text("another run's page")
-    with pytest.raises(rp.ReportError, match="the page could not be rendered .KeyError"):
+    with pytest.raises(rp.ReportError, match=r"the page could not be rendered \(KeyError"):
         rp.write_report(tmp_path / "r.json", mixed_report())
     assert (tmp_path / "r.json").is_file() and (tmp_path / "r.md").is_file()
     assert not old.exists()
