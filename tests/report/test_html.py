@@ -307,3 +307,27 @@ def test_a_page_stays_within_its_budget_however_many_results() -> None:
     ids = set(parse(text).ids)
     assert all(html_model.test_id(r["nodeid"]) in ids for r in report["results"])
     assert "by id only" in text
+
+
+def test_an_interrupted_run_with_no_result_has_a_page() -> None:
+    report = build([], interruption="KeyboardInterrupt during start-up")
+    text = html.render_report_html(report)
+    assert "No clause results." in text
+    assert "<strong>Interrupted</strong>: KeyboardInterrupt during start-up." in text
+    assert html_model.verdict_view(report).verdict == "interrupted"
+
+
+def test_a_plugin_that_stops_production_is_shown_apart_from_the_clauses() -> None:
+    from tests.report_rows import environment
+
+    plugin = {"name": "bad", "group": "vllm.general_plugins", "dist": "bad 1.0",
+              "status": "hook-failed", "error": f"RuntimeError: {SCRIPT}"}
+    report = build([row("s::test_kv_l1[GOOD]")], env=environment(plugins={"plugins": [plugin]}))
+    assert report["verdict"] == "not qualified"
+    harness = html_model.harness(report)
+    assert harness.startup == [f"plugin bad (vllm.general_plugins, bad 1.0) hook raised "
+                               f"RuntimeError: {SCRIPT}"]
+    text = html.render_report_html(report)
+    panel = text.split('<section id="harness"', 1)[1].split("</section>", 1)[0]
+    assert "Production would not start" in panel and "&lt;script&gt;" in panel
+    assert SCRIPT not in text
