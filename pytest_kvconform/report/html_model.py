@@ -23,6 +23,10 @@ from typing import Any
 from urllib.parse import quote
 
 from pytest_kvconform.contract import clauses
+from pytest_kvconform.report.diff import MatrixDiff, describe_report, summary_line
+from pytest_kvconform.report.matrix import leg_outcome, verdict_line
+from pytest_kvconform.report.matrix import stack_label as matrix_stack_label
+from pytest_kvconform.report.merge import host_labels, merged_uncovered, merged_verdict
 from pytest_kvconform.report.render import UPSTREAM_ROW, device_text, matrix_rows, row_name
 from pytest_kvconform.report.result_notes import test_function
 from pytest_kvconform.report.verdict import (
@@ -660,8 +664,6 @@ def page_of(report_name: str | None) -> str | None:
 
 
 def _matrix_stack(leg: Mapping[str, Any]) -> str:
-    from pytest_kvconform.report.matrix import stack_label as matrix_stack_label
-
     return matrix_stack_label(leg["stack"], leg["stack_source"])
 
 
@@ -670,8 +672,6 @@ def matrix_page(matrix: Mapping[str, Any],
     """A release matrix: its legs, the version x clause grid (one row per leg, each linking
     to the leg's own page) and, per backend, its rows across the legs.  With the legs'
     reports, cells tell "not checked" from "n/a"; without, a skip reads "not checked"."""
-    from pytest_kvconform.report.matrix import leg_outcome, verdict_line
-
     legs = []
     for leg in matrix["legs"]:
         outcome = leg_outcome(leg)
@@ -750,8 +750,6 @@ def _leg_grid(matrix: Mapping[str, Any], results: Mapping[str, Any], backends: l
 
 
 def leg_outcome_text(leg: Mapping[str, Any]) -> str:
-    from pytest_kvconform.report.matrix import leg_outcome
-
     return f"{leg_outcome(leg)}: {leg['reason']}" if leg["reason"] else leg_outcome(leg)
 
 
@@ -785,8 +783,6 @@ def merged_page(named: Sequence[tuple[str, Mapping[str, Any]]],
                 pages: Mapping[str, str]) -> MergedPage:
     """Several hosts' reports: their verdicts, and per band each backend's row on each host
     (each cell linking into that host's page, where it has one)."""
-    from pytest_kvconform.report.merge import host_labels, merged_uncovered, merged_verdict
-
     labels = host_labels(named)
     reports = [r for _, r in named]
     hosts = []
@@ -898,8 +894,6 @@ def _grouped_changes(changes: Sequence[Any]) -> list[ChangeView]:
 
 
 def diff_part(diff: Any, title: str | None, b_page: str | None) -> DiffPart:
-    from pytest_kvconform.report.diff import summary_line
-
     individual = (
         ("new", "New failures", "failing in B, not in A: the gate fails on these",
          diff.new_failures),
@@ -923,8 +917,6 @@ def diff_page(diff: Any, a_name: str, b_name: str, *, a: Mapping[str, Any] | Non
               b: Mapping[str, Any] | None, b_page: str | None) -> DiffPage:
     """B against A: one part for two reports, one per leg that ran in both for two matrices
     (the legs' changes listed first)."""
-    from pytest_kvconform.report.diff import MatrixDiff, describe_report
-
     if isinstance(diff, MatrixDiff):
         parts = [diff_part(d, name, None) for name, d in diff.legs.items()]
         gate = f"{diff.new_failures} new failure(s) over {len(diff.legs)} leg(s) that ran in both"
