@@ -454,6 +454,16 @@ def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
                  startup: Sequence[Mapping[str, Any]] = ()) -> str:
     """One line: the verdict and what it rests on (what production could not start, what
     was left out or unchecked, why it stopped)."""
+    notes = verdict_notes(verdict, uncovered, selection, run, results, startup)
+    return verdict + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def verdict_notes(verdict: str, uncovered: Sequence[Mapping[str, Any]],
+                  selection: Mapping[str, Any] | None, run: Mapping[str, Any],
+                  results: Sequence[Mapping[str, Any]],
+                  startup: Sequence[Mapping[str, Any]] = ()) -> list[str]:
+    """What the verdict rests on, one note each, root causes first: the verdict line's
+    parenthesis (:func:`verdict_text`), and the reasons a report page lists under it."""
     notes = []
     if verdict == "interrupted":
         notes.append(f"interrupted: {interruption_of(run, selection, results)}")
@@ -479,4 +489,4 @@ def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
                      if r.get("status") == "error"})
     if errors:
         notes.append(f"harness errors ({', '.join(errors)}), not blamed on any backend")
-    return verdict + (f" ({'; '.join(notes)})" if notes else "")
+    return notes
