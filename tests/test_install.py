@@ -40,10 +40,20 @@ def test_the_readme_table_is_the_release_table() -> None:
                                "run `kvconform release-table OUT/matrix.json`")
 
 
+def _deps() -> list[tuple[set[str], str]]:
+    """tox.ini's deps lines: (the factors any of which selects the line, its requirement)."""
+    tox_ini = (ROOT / "tox.ini").read_text(encoding="utf-8")
+    block = re.split(r"\n(?=\S)", tox_ini.split("\ndeps =\n", 1)[1], maxsplit=1)[0]
+    lines = [line.strip() for line in block.splitlines() if line.strip()]
+    return [(set(cond.split(",")), requirement)
+            for cond, _, requirement in (line.partition(": ") for line in lines)]
+
+
 def _requested(leg: str) -> dict[str, str | None]:
-    """What a leg's requirements pin: one requirements file per factor of its name."""
-    files = [ROOT / "requirements" / f"{factor}.txt" for factor in leg.split("-")[1:]]
-    return tox_leg.requested_stack("\n".join(f"-r {f}" for f in files if f.is_file()), ROOT)
+    """What tox installs for a leg: the requirements of every deps line its factors select."""
+    factors = set(leg.split("-"))
+    selected = [req for cond, req in _deps() if cond & factors]
+    return tox_leg.requested_stack("\n".join(selected), ROOT)
 
 
 def test_every_leg_has_its_row_at_its_pins() -> None:
@@ -58,14 +68,20 @@ def test_every_leg_has_its_row_at_its_pins() -> None:
                                    f"requirements now pin {requested}: rerun the leg")
 
 
-def test_each_legs_requirements_come_from_its_factors() -> None:
-    """tox.ini's deps are one requirements file per factor (how a leg is added: a file and a
-    line, no code), so the table's pins above are what tox installs."""
-    tox_ini = (ROOT / "tox.ini").read_text(encoding="utf-8")
-    deps = re.split(r"\n(?=\S)", tox_ini.split("\ndeps =\n", 1)[1], maxsplit=1)[0]
-    for line in (line.strip() for line in deps.splitlines() if line.strip()):
-        factor, _, requirement = line.partition(": ")
-        assert requirement == f"-r requirements/{factor}.txt", line
+STACK_FACTOR = re.compile(r"vllm0\d\d|omni\d{3}(?:a|b|rc)\d+")
+
+
+def test_each_stack_factor_pins_from_its_own_requirements_file() -> None:
+    """A stack's factor (vllm0NN, omniNNNrcN) takes its pins from requirements/<factor>.txt
+    (how a leg is added: a file and a line, no code); any other file a factor adds (test
+    tooling) pins no part of the stack."""
+    for cond, requirement in _deps():
+        if not any(STACK_FACTOR.fullmatch(f) for f in cond):
+            continue
+        if any(requirement == f"-r requirements/{f}.txt" for f in cond):
+            continue
+        pins = tox_leg.requested_stack(requirement, ROOT)
+        assert pins == dict.fromkeys(release_table.STACK), (cond, requirement, pins)
 
 
 def test_each_qualified_stack_has_the_extra_that_pins_it() -> None:
