@@ -8,6 +8,7 @@ vLLM is imported lazily, inside functions.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,15 +66,25 @@ def encode(obj: Any) -> tuple[list[bytes], str]:
     except ImportError as exc:
         return _pickled(obj, f"vLLM's MessageQueue does not import: {exc}")
     sink = _FrameSink()
-    try:
-        writer = _remote_writer(MessageQueue, sink)
-    except Exception as exc:  # the constructor moved: say so, never guess its state
-        return _pickled(obj, f"MessageQueue could not be built: {type(exc).__name__}: {exc}")
-    try:
-        MessageQueue.enqueue(writer, obj)
-    except (AttributeError, TypeError) as exc:
-        return _pickled(obj, f"MessageQueue.enqueue could not be driven: "
-                             f"{type(exc).__name__}: {exc}")
+    # The constructor makes a zmq context that a queue without sockets leaves to its
+    # destructor (vLLM 0.30: when the constructor returns; 0.32: a finalizer, when the queue
+    # goes): it is destroyed here, inside this block, and its "unclosed" warning is not the
+    # caller's.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        try:
+            writer = _remote_writer(MessageQueue, sink)
+        except Exception as exc:  # the constructor moved: say so, never guess its state
+            return _pickled(obj, f"MessageQueue could not be built: {type(exc).__name__}: "
+                                 f"{exc}")
+        try:
+            MessageQueue.enqueue(writer, obj)
+        except (AttributeError, TypeError) as exc:
+            return _pickled(obj, f"MessageQueue.enqueue could not be driven: "
+                                 f"{type(exc).__name__}: {exc}")
+        finally:
+            writer.remote_socket = None  # the sink is not the queue's to close
+            del writer
     if not sink.frames:
         return _pickled(obj, "MessageQueue.enqueue sent nothing to its remote reader")
     return [bytes(f) for f in sink.frames], ENQUEUE
