@@ -65,7 +65,8 @@ def test_validate_checks_an_expected_failures_file(tmp_path: Path, capsys: Any) 
     known = str(resources.files("pytest_kvconform.known") / "vllm_omni_0_30.toml")
     assert main(["validate", known]) == 0
     assert capsys.readouterr().out.strip() == (f"{known}: valid (expected failures: 8 "
-                                               "entries)")
+                                               "entries, known on vllm >=0.30,<0.33 and "
+                                               "vllm-omni >=0.30,<0.33)")
     vague = tmp_path / "vague.toml"
     vague.write_text('[[xfail]]\nbackend = "*"\nclause = "KV-A4"\nreason = "fails"\n')
     assert main(["validate", str(vague)]) == 2
@@ -73,6 +74,19 @@ def test_validate_checks_an_expected_failures_file(tmp_path: Path, capsys: Any) 
     assert err == (f"kvconform: error: {vague}: [[xfail]] entry 1: key 'test': missing "
                    "(required): the failing control, one suite test function (e.g. "
                    "'test_kv_a4_unadopted')")
+
+
+def test_validate_refuses_a_match_that_would_run_away(tmp_path: Path, capsys: Any) -> None:
+    """A pattern that backtracks exponentially is refused by reading it, not by running it."""
+    hostile = tmp_path / "hostile.toml"
+    hostile.write_text('[[xfail]]\nbackend = "*"\nclause = "KV-L8"\ntest = "test_kv_l8_alias"\n'
+                       'match = "(.+)+#"\nreason = "r"\n')
+    assert main(["validate", str(hostile)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"kvconform: error: {hostile}: [[xfail]] entry 1: key 'match': '(.+)+#' can backtrack "
+        "without end: a repetition '+' of something that varies in length; match what each "
+        "problem contains without repeating a group that itself repeats or alternates (e.g. "
+        "'.+' for '(.+)+', '[ab]+' for '(a|b)+')")
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvconform.adapters import compat, engine, entry_points, seam_backends
+from pytest_kvconform.adapters import compat, engine, entry_points, executor_wire, seam_backends
 from pytest_kvconform.adapters.control_plane import ControlPlane, build_control_plane
 from pytest_kvconform.adapters.engine import EngineReport, EngineSpec
 from pytest_kvconform.adapters.worker_extension import config_summary
@@ -324,7 +324,7 @@ def check_kv_a2(source: Source, case: Case, workers: Workers) -> None:
                            layout=pinned, expected=None, actual=fresh)
         _first_field_difference(run, pinned, rank, config_summary(report.rank_configs[rank]),
                                 seen["received"])
-    if wire not in ("vllm MessageQueue.enqueue", "the executor's own queue"):
+    if wire not in (executor_wire.ENQUEUE, "the executor's own queue"):
         raise run.skip(f"the executor's serialiser could not be driven; the "
                        f"configs crossed as {wire}", SkipKind.ENVIRONMENT)
 

@@ -11,10 +11,12 @@ file), so reports of two stacks compare wherever the suite ran them.  Each resul
 * unchecked: skipped, or no result at all.
 
 B against A lists new failures (failing in B, not in A), fixed results (failing or known
-in A, passing in B; a known finding fixed is stale), newly unchecked results with B's
-reason, newly checked ones, results checked through another production entry point (their
-``via``: vLLM alone where vllm-omni is gone), and the environment changes (versions,
-backends, the known findings file).  Two combined matrix reports are compared leg by leg.
+in A, passing in B; a known finding fixed is stale), the known findings that persist (known
+or declared in both, or in B on a result A did not check by a finding A knows; counted by
+B's entries), newly unchecked results with B's reason, newly checked
+ones, results checked through another production entry point (their ``via``: vLLM alone
+where vllm-omni is gone), and the environment changes (versions, backends, the known
+findings file).  Two combined matrix reports are compared leg by leg.
 Stdlib only.
 """
 
@@ -29,6 +31,7 @@ from pytest_kvconform.report.matrix import describe_leg, leg_outcome, short_reas
 from pytest_kvconform.report.render import UPSTREAM_ROW, md_escape
 
 ENV_KEYS = ("python", "torch", "vllm", "vllm_omni", "platform", "host")
+PERSISTS = "persists: "
 _CHECKED = ("failing", "known", "passing")
 
 
@@ -54,6 +57,8 @@ class ReportDiff:
     newly_unchecked: list[Change] = field(default_factory=list)
     newly_checked: list[Change] = field(default_factory=list)
     declared: list[Change] = field(default_factory=list)  # failing -> known, passing -> known
+    # known (or a declared skip) in both, or on a result A did not check by a finding A knows
+    persists: list[Change] = field(default_factory=list)
     # Checked in both, through another production entry point (``via``: vLLM alone, ...).
     rerouted: list[Change] = field(default_factory=list)
     # Failing in B, not in A, because the backend's own code hung, died or ran out of memory
@@ -66,6 +71,11 @@ class ReportDiff:
     def stale(self) -> list[Change]:
         """Fixed results whose known finding no longer holds (its entry is stale)."""
         return [c for c in self.fixed if c.note]
+
+    @property
+    def persisting_findings(self) -> list[str]:
+        """The known findings (B's entries) still failing as they describe, known in A too."""
+        return sorted({c.note.removeprefix(PERSISTS) for c in self.persists})
 
 
 def result_key(nodeid: str) -> str:
@@ -104,6 +114,9 @@ def diff_reports(a: Mapping[str, Any], b: Mapping[str, Any]) -> ReportDiff:
     """B against A (two validated reports)."""
     diff = ReportDiff(environment=environment_changes(a, b))
     before, after = _results(a), _results(b)
+    # The findings A knows: one B declares on a result A never checked (a new backend's)
+    # persists there, it is not newly declared.
+    known_in_a = {r.get("xfail") for r in before.values() if _declares(r)}
     b_backends = {x["name"] for x in b["backends"]}
     for key in sorted(set(before) | set(after)):
         ra, rb = before.get(key), after.get(key)
@@ -126,13 +139,18 @@ def diff_reports(a: Mapping[str, Any], b: Mapping[str, Any]) -> ReportDiff:
                 diff.backend_faults.append(_noted(change, f"caused by {rb.get('backend')}'s own "
                                                           f"code: {rb['caused_by']}"))
             else:
-                diff.new_failures.append(change)
+                fault = (rb or {}).get("seeded_fault")
+                diff.new_failures.append(
+                    _noted(change, f"under the seeded worker fault {fault}" if fault else ""))
         elif cb == "passing" and ca in ("failing", "known"):
             entry = (ra or {}).get("xfail") if ca == "known" else None
             entry = entry or (rb["xfail"] if rb is not None and rb["status"] == "xpassed"
                               else None)
             diff.fixed.append(_noted(change, f"stale known finding: {entry}" if entry else ""))
-        elif cb == "known" and ca != "known":
+        elif rb is not None and _declares(rb) and (
+                _declares(ra) or (ca == "unchecked" and rb.get("xfail") in known_in_a)):
+            diff.persists.append(_noted(change, f"{PERSISTS}{rb.get('xfail')}"))
+        elif cb == "known":
             entry = rb["xfail"] if rb is not None else None
             diff.declared.append(_noted(change, f"declared: {entry}"))
         elif cb == "unchecked" and ca in _CHECKED:
@@ -143,6 +161,13 @@ def diff_reports(a: Mapping[str, Any], b: Mapping[str, Any]) -> ReportDiff:
         elif ra is not None and rb is not None and ra.get("via") != rb.get("via"):
             diff.rerouted.append(_noted(change, f"via {rb.get('via') or 'the default path'}"))
     return diff
+
+
+def _declares(result: Mapping[str, Any] | None) -> bool:
+    """A known finding shows on the result: it failed as described (xfailed), or skipped
+    the way an entry declares (a backend that does not import)."""
+    return (result is not None and bool(result.get("xfail"))
+            and result["status"] in ("xfailed", "skipped"))
 
 
 def _noted(change: Change, note: str) -> Change:
@@ -219,14 +244,23 @@ def _grouped(changes: Sequence[Change]) -> list[str]:
     return lines
 
 
+def _by_finding(changes: Sequence[Change]) -> list[tuple[str, int]]:
+    counts: dict[str, int] = {}
+    for c in changes:
+        counts[c.note.removeprefix(PERSISTS)] = counts.get(c.note.removeprefix(PERSISTS), 0) + 1
+    return sorted(counts.items())
+
+
 def summary_line(diff: ReportDiff) -> str:
     faults = (f", {len(diff.backend_faults)} fault(s) of the backends' own code (not the "
               "stack's)" if diff.backend_faults else "")
     return (f"{len(diff.new_failures)} new failure(s), {len(diff.fixed)} fixed "
-            f"({len(diff.stale)} stale known finding(s)), {len(diff.newly_unchecked)} newly "
-            f"unchecked, {len(diff.newly_checked)} newly checked, {len(diff.declared)} newly "
-            f"declared known, {len(diff.rerouted)} checked through another entry point"
-            f"{faults}; {diff.still_failing} still failing")
+            f"({len(diff.stale)} stale known finding(s)), {len(diff.persisting_findings)} known "
+            f"finding(s) persist ({len(diff.persists)} result(s)), "
+            f"{len(diff.newly_unchecked)} newly unchecked, {len(diff.newly_checked)} newly "
+            f"checked, {len(diff.declared)} newly declared known, {len(diff.rerouted)} checked "
+            f"through another entry point{faults}; "
+            f"{diff.still_failing} still failing")
 
 
 def render_diff_lines(diff: ReportDiff) -> list[str]:
@@ -238,6 +272,8 @@ def render_diff_lines(diff: ReportDiff) -> list[str]:
         ("Faults of the backends' own code (not the stack's)",
          _individual(diff.backend_faults)),
         ("Fixed", _individual(diff.fixed)),
+        ("Known findings that persist", [f"- `{f}` ({n} result{'s' if n != 1 else ''})"
+                                         for f, n in _by_finding(diff.persists)]),
         ("Newly declared known findings", _individual(diff.declared)),
         ("Newly unchecked", _grouped(diff.newly_unchecked)),
         ("Newly checked", _grouped(diff.newly_checked)),

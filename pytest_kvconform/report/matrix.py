@@ -36,7 +36,14 @@ from pytest_kvconform.report.schema import (
     expect_type,
     validate_run,
 )
-from pytest_kvconform.report.verdict import STATUSES, VERDICTS, interruption_of, left_out
+from pytest_kvconform.report.verdict import (
+    FINDINGS_KEYS,
+    STATUSES,
+    VERDICTS,
+    finding_lifetimes,
+    interruption_of,
+    left_out,
+)
 
 MATRIX_SCHEMA = "pytest-kvconform/matrix/1"
 MATRIX_VERDICTS = ("qualified", "not qualified", "interrupted")
@@ -49,6 +56,10 @@ MATRIX_KEYS = ("schema", "contract", "run", "verdict", "qualified_legs", "legs",
                "by_backend")
 LEG_KEYS = ("name", "description", "state", "verdict", "reason", "notes", "stack",
             "stack_source", "report", "run_id", "exit_code", "duration_s", "counts", "log")
+# findings: what became of the known findings in the leg's whole deployment, from its
+# report's results (verdict.finding_lifetimes: "persists" and "fixed", entry ids; "new",
+# nodeids of failures no finding describes); a leg that ran has it.
+LEG_OPTIONAL_KEYS = ("findings",)
 # One cell of a table: a leg's results of one clause (by_stack: backend None; by_backend:
 # one backend's row, "(upstream)" for the per-layout clauses), their worst status, the
 # count of each status, and the most common reason among the worst ones.
@@ -96,6 +107,7 @@ def _leg_record(leg: Mapping[str, Any], report: Mapping[str, Any] | None) -> dic
     record.update(
         verdict=report["verdict"], run_id=report["run"]["id"],
         counts=dict(report["summary"]["by_status"]),
+        findings=finding_lifetimes(report["results"]),
         stack={"vllm": env["vllm"], "vllm_omni": env["vllm_omni"], "torch": env["torch"]},
         stack_source="installed",
         reason=leg_reason(report, list(leg.get("notes") or [])),
@@ -234,7 +246,13 @@ def validate_matrix(obj: Any, reports: Mapping[str, Mapping[str, Any]] | None = 
 
 
 def _validate_leg(leg: Any, where: str) -> None:
-    expect_keys(leg, where, LEG_KEYS)
+    expect_keys(leg, where, LEG_KEYS, LEG_OPTIONAL_KEYS)
+    if "findings" in leg:
+        expect_keys(leg["findings"], f"{where}.findings", FINDINGS_KEYS)
+        for key in FINDINGS_KEYS:
+            expect_type(leg["findings"][key], f"{where}.findings.{key}", list)
+            for j, item in enumerate(leg["findings"][key]):
+                expect_type(item, f"{where}.findings.{key}[{j}]", str)
     for key in ("name", "description", "state", "stack_source"):
         expect_type(leg[key], f"{where}.{key}", str)
     if leg["state"] not in LEG_STATES:
@@ -298,7 +316,9 @@ def _validate_against(obj: Mapping[str, Any], reports: Mapping[str, Mapping[str,
         if report is None:
             raise ReportError(f"$.legs[{i}].report", f"no report of leg {leg['name']!r} given")
         expected = _leg_record(leg, report)
-        for key in ("verdict", "run_id", "counts", "stack"):
+        for key in ("verdict", "run_id", "counts", "stack", "findings"):
+            if key == "findings" and key not in leg:
+                continue  # written before findings had a lifetime
             if leg[key] != expected[key]:
                 raise ReportError(f"$.legs[{i}].{key}", f"{leg[key]!r} but the leg's report "
                                   f"{leg['report']} gives {expected[key]!r}")
@@ -324,9 +344,18 @@ def leg_outcome(leg: Mapping[str, Any]) -> str:
 
 
 def describe_leg(leg: Mapping[str, Any]) -> str:
-    """One leg in a line: name, stack, verdict or state, reason."""
+    """One leg in a line: name, stack, verdict or state, its known findings, reason."""
     text = f"{leg['name']} ({stack_label(leg['stack'], leg['stack_source'])}): {leg_outcome(leg)}"
+    if leg.get("findings") is not None:
+        text += f" ({findings_text(leg['findings'])})"
     return text + (f": {leg['reason']}" if leg["reason"] else "")
+
+
+def findings_text(findings: Mapping[str, Sequence[str]]) -> str:
+    """``7 known findings persist, 0 fixed, 0 new``."""
+    n = len(findings["persists"])
+    return (f"{n} known finding{' persists' if n == 1 else 's persist'}, "
+            f"{len(findings['fixed'])} fixed, {len(findings['new'])} new")
 
 
 def verdict_line(matrix: Mapping[str, Any]) -> str:
@@ -379,12 +408,14 @@ def render_matrix_markdown(matrix: Mapping[str, Any]) -> str:
         "",
     ]
     lines += markdown_table(
-        ["leg", "vLLM", "vllm-omni", "torch", "outcome", "results", "reason", "report"],
+        ["leg", "vLLM", "vllm-omni", "torch", "outcome", "results", "known findings", "reason",
+         "report"],
         [[leg["name"], leg["stack"]["vllm"] or "-", leg["stack"]["vllm_omni"] or "-",
           (leg["stack"]["torch"] or "-") + (" (requested)" if leg["stack_source"] ==
                                             "requested" else ""),
           leg_outcome(leg),
           ", ".join(f"{n} {s}" for s, n in (leg["counts"] or {}).items() if n) or "-",
+          findings_text(leg["findings"]) if leg.get("findings") is not None else "-",
           leg["reason"] or "-", leg["report"] or leg["log"] or "-"] for leg in legs])
     notes = Footnotes()
     ran = [leg["name"] for leg in legs if leg["state"] == "ran"]

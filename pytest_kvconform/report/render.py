@@ -220,13 +220,20 @@ def _subject_lines(report: Mapping[str, Any]) -> list[str]:
         (subject, ", ".join(f"{n} {status}" for status, n in sorted(by.items())))
         for subject, by in sorted(counts.items())])
     stack = report.get("stack") or stack_record(results)
+    lives = stack.get("findings") or stack_record(results)["findings"]
     lines += ["", f"The stack (vLLM {env['vllm'] or 'not installed'}, vllm-omni "
-              f"{env['vllm_omni'] or 'not installed'}): {len(stack['known'])} known finding "
-              f"results listed; {len(stack['regressions'])} regressions no known finding "
-              f"describes; {len(stack['fixed'])} known findings that no longer fail."]
-    for title, key in (("Regressions", "regressions"), ("No longer failing", "fixed")):
-        if stack[key]:
-            lines += ["", f"{title}:", ""] + [f"- `{nodeid}`" for nodeid in stack[key]]
+              f"{env['vllm_omni'] or 'not installed'}): {len(lives['persists'])} known "
+              f"findings persist ({len(stack['known'])} results), {len(lives['fixed'])} "
+              f"fixed, {len(lives['new'])} new (regressions no known finding describes); "
+              f"{len(stack['fixed'])} known finding results no longer fail."]
+    for title, items in (
+            ("Known findings that persist", lives["persists"]),
+            ("Known findings fixed (remove their entries, or narrow their versions)",
+             lives["fixed"]),
+            ("New: regressions no known finding describes", lives["new"]),
+            ("Known finding results no longer failing", stack["fixed"])):
+        if items:
+            lines += ["", f"{title}:", ""] + [f"- `{item}`" for item in items]
     for backend in scope or ():
         found = bites(results, backend)
         if found:

@@ -50,7 +50,13 @@ TOP_KEYS = (
     "schema", "contract", "run", "environment", "selection", "backends", "results", "summary",
     "verdict", "uncovered", "startup_failures",
 )
-# stack: the serving stack's results told apart (verdict.stack_record).
+# stack: the serving stack's results told apart (verdict.stack_record): nodeids of its
+# results that are known findings (xfailed: "known"), regressions ("regressions") and known
+# findings that passed ("fixed"); and "findings", what became of each known finding on this
+# stack (verdict.finding_lifetimes): "persists" (the entries, by id, whose failure the stack
+# still shows), "fixed" (the entries whose every result passed) and "new" (nodeids of the
+# stack's failures no entry describes).  "findings" is optional: reports written before it
+# validate without it.
 TOP_OPTIONAL_KEYS = ("stack",)
 RUN_KEYS = ("id", "started", "duration_s", "interruption")
 SELECTION_KEYS = (
@@ -176,8 +182,12 @@ def validate_report(obj: Any) -> None:
         if result.get("depends_on") not in (None, found.get(result["nodeid"])):
             raise ReportError(f"$.results[{i}].depends_on", f"{result['depends_on']!r}, but "
                               f"the results give {found.get(result['nodeid'])!r}")
-    if "stack" in obj and obj["stack"] != stack_record(obj["results"]):
-        raise ReportError("$.stack", "does not match the results")
+    if "stack" in obj:
+        expected = stack_record(obj["results"])
+        if isinstance(obj["stack"], dict) and "findings" not in obj["stack"]:
+            del expected["findings"]  # written before findings had a lifetime
+        if obj["stack"] != expected:
+            raise ReportError("$.stack", "does not match the results")
     _validate_summary(obj["summary"])
     strict = obj["summary"]["strict"]
     if obj["summary"] != summarize(obj["results"], strict):

@@ -349,33 +349,74 @@ def judge(
 def stack_record(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The serving stack's results told apart: its known findings (xfailed), its
     regressions (failed or errored with no known finding describing them), and known
-    findings that no longer fail (xpassed), each a list of nodeids."""
-    found = dependents(results)  # a backend's broken declaration, not the stack
-    stack = [r for r in results if _subject(r) == "stack" and r["nodeid"] not in found]
+    findings that no longer fail (xpassed), each a list of nodeids; and the same by
+    finding (:func:`finding_lifetimes`)."""
+    stack = stack_results(results)
     return {
         "results": len(stack),
         "known": sorted(str(r["nodeid"]) for r in stack if r.get("status") == "xfailed"),
         "regressions": sorted(str(r["nodeid"]) for r in stack if r.get("status") in _FAILED),
         "fixed": sorted(str(r["nodeid"]) for r in stack if r.get("status") == "xpassed"),
+        "findings": finding_lifetimes(stack),
+    }
+
+
+def stack_results(results: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The stack's results (its subject), less the failures that follow from a backend's
+    broken declaration (:func:`~pytest_kvconform.report.result_notes.dependents`)."""
+    found = dependents(results)
+    return [r for r in results if _subject(r) == "stack" and r["nodeid"] not in found]
+
+
+# The keys of the stack record's ``findings``, in the order they are written.
+FINDINGS_KEYS = ("persists", "fixed", "new")
+
+
+def finding_lifetimes(results: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """What became of each known finding in ``results`` (the stack's, for its record; a
+    whole deployment's, for a matrix leg), and what no finding describes:
+
+    * ``persists``: the known findings (their entries' ids, ``vllm_omni_0_30.toml:1
+      */KV-L8/test_kv_l8_alias``) that still show as they describe: a result xfailed, or
+      a skip the entry declares;
+    * ``fixed``: those whose every result here passes (xpassed), none showing as described;
+    * ``new``: the failures no known finding describes (nodeids).
+
+    A finding whose results partly fail and partly pass persists; its passing results are
+    xpasses, which strict mode refuses."""
+    persists = {str(r["xfail"]) for r in results
+                if r.get("status") in ("xfailed", "skipped") and r.get("xfail")}
+    passing = {str(r["xfail"]) for r in results
+               if r.get("status") == "xpassed" and r.get("xfail")}
+    return {
+        "persists": sorted(persists),
+        "fixed": sorted(passing - persists),
+        "new": sorted(str(r["nodeid"]) for r in results if r.get("status") in _FAILED),
     }
 
 
 def stack_text(results: Sequence[Mapping[str, Any]]) -> str:
-    """``6 known findings listed, no regression`` or ``1 regression no known finding
-    describes: KV-S1 test_kv_s1[LBNHC-bf16_h8]``: the stack's line, after its versions."""
+    """``7 known findings persist (47 results), 0 fixed, 0 new`` or ``..., 1 new: KV-S1
+    test_kv_s1[LBNHC-bf16_h8] (no known finding describes it)``: the stack's line, after its
+    versions."""
     rec = stack_record(results)
+    lives = rec["findings"]
     by_id = {str(r["nodeid"]): r for r in results}
-    notes = [f"{len(rec['known'])} known finding result{'s' if len(rec['known']) != 1 else ''} "
-             "listed"]
-    if rec["regressions"]:
-        n = len(rec["regressions"])
-        notes.append(f"{n} regression{'s' if n != 1 else ''} no known finding describes: "
-                     + named_tests([by_id[i] for i in rec["regressions"]]))
-    else:
-        notes.append("no regression")
-    if rec["fixed"]:
-        notes.append("known findings that no longer fail (remove their entries): "
-                     + named_tests([by_id[i] for i in rec["fixed"]]))
+    n = len(lives["persists"])
+    known = sum(1 for r in stack_results(results) if r.get("xfail") in lives["persists"]
+                and r.get("status") in ("xfailed", "skipped"))
+    notes = [f"{n} known finding{' persists' if n == 1 else 's persist'} "
+             f"({known} result{'s' if known != 1 else ''})"]
+    fixed = len(lives["fixed"])
+    notes.append(f"{fixed} fixed" + (" (remove their entries, or narrow their versions): "
+                                     + "; ".join(lives["fixed"]) if fixed else ""))
+    new = len(lives["new"])
+    notes.append(f"{new} new" + (" (no known finding describes them): "
+                                 + named_tests([by_id[i] for i in lives["new"]]) if new else ""))
+    still = [i for i in rec["fixed"] if str(by_id[i].get("xfail")) in lives["persists"]]
+    if still:
+        notes.append("known findings that no longer fail on some results (narrow their "
+                     "entries): " + named_tests([by_id[i] for i in still]))
     return ", ".join(notes)
 
 
@@ -413,6 +454,16 @@ def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
                  startup: Sequence[Mapping[str, Any]] = ()) -> str:
     """One line: the verdict and what it rests on (what production could not start, what
     was left out or unchecked, why it stopped)."""
+    notes = verdict_notes(verdict, uncovered, selection, run, results, startup)
+    return verdict + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def verdict_notes(verdict: str, uncovered: Sequence[Mapping[str, Any]],
+                  selection: Mapping[str, Any] | None, run: Mapping[str, Any],
+                  results: Sequence[Mapping[str, Any]],
+                  startup: Sequence[Mapping[str, Any]] = ()) -> list[str]:
+    """What the verdict rests on, one note each, root causes first: the verdict line's
+    parenthesis (:func:`verdict_text`), and the reasons a report page lists under it."""
     notes = []
     if verdict == "interrupted":
         notes.append(f"interrupted: {interruption_of(run, selection, results)}")
@@ -441,12 +492,13 @@ def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
     own = [r for r in results if r.get("status") == "error" and r.get("caused_by")]
     if own:
         notes.append(backend_faults_text(own))
-    return verdict + (f" ({'; '.join(notes)})" if notes else "")
+    return notes
 
 
 def backend_faults_text(errors: Sequence[Mapping[str, Any]]) -> str:
-    """``faults of the backends' own code (timeout: HANGING.indexes_kv_by_block_stride()
-    ...)``: errors a call into a backend's class caused, which count for that backend."""
+    """``3 errors the backend's own code caused (timeout in HANGING:
+    HANGING.indexes_kv_by_block_stride() ...)``: errors a call into a backend's class
+    caused, which count for that backend."""
     by_kind: dict[str, set[str]] = {}
     for r in errors:
         by_kind.setdefault(str(r.get("error_kind") or "harness"), set()).add(

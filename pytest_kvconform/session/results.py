@@ -297,9 +297,12 @@ class KvResults:
             tr.write_line(f"kvconform: {report_mod.backend_faults_text(own)}: they count for "
                           "the backend, never for the stack", red=True)
         # Only once collection finished: a run stopped before it matched nothing yet.
-        for entry in self.selection.stale_xfails() if self.selection.counts.counted else ():
-            tr.write_line(f"kvconform: warning: stale xfail entry {entry.describe()} matched no "
-                          "test", yellow=True)
+        from pytest_kvconform.session import xfails
+
+        stale = xfails.stale_summary(self.selection.stale_xfails()
+                                     if self.selection.counts.counted else [])
+        if stale:
+            tr.write_line(f"kvconform: warning: {stale}", yellow=True)
         if self.verdict_line:
             tr.write_line(f"kvconform: verdict{self.verdict_line}")
         for line in self.stack_lines:
@@ -352,7 +355,10 @@ class KvResults:
             report_mod.verdict_text(verdict, uncovered, selection, run, results, startup)
         self.stack_lines = self._stack_lines(results, scope)
         failed = self._exit_status(verdict, scope, results, bool(startup))
-        if self.options.report is None and not self.report_wanted:
+        from pytest_kvconform.report import job_summary
+
+        summary = job_summary.wanted()
+        if self.options.report is None and not self.report_wanted and not summary:
             return failed
         environment = report_mod.environment_info(self.options.raw, seed=None)
         if plugins is not None:
@@ -370,9 +376,11 @@ class KvResults:
             environment=environment, backends=self.selection.backend_dicts(), results=results,
             options=self.options.raw, strict=strict, selection=selection, run=run)
         if self.options.report is None:
+            self._append_summary(None)
             return failed
         try:
-            json_path, md_path = report_mod.write_report(self.options.report, self.built_report)
+            json_path, md_path, page = report_mod.write_report(self.options.report,
+                                                                self.built_report)
         except (OSError, report_mod.ReportError) as exc:
             detail: Any = exc
             if isinstance(exc, OSError) and exc.strerror:
@@ -380,8 +388,21 @@ class KvResults:
             self.report_error = (f"the report could not be written to "
                                  f"{self.options.report}: {detail}")
             return pytest.ExitCode.TESTS_FAILED
-        self.report_line = f"kvconform: report written to {json_path} and {md_path}"
+        self.report_line = f"kvconform: report written to {json_path}, {md_path} and {page}"
+        self._append_summary(page)
         return failed
+
+    def _append_summary(self, page: Path | None) -> None:
+        """The verdict and grid in the CI job's summary, where ``$GITHUB_STEP_SUMMARY`` asks."""
+        from pytest_kvconform.report import job_summary
+
+        if self.built_report is None or not job_summary.wanted():
+            return
+        error = job_summary.append(self.built_report, page)
+        line = f"kvconform: verdict and grid appended to the job summary (${job_summary.VARIABLE})"
+        if error is not None:
+            line = f"kvconform: warning: the job summary could not be written: {error}"
+        self.report_line = "\n".join(filter(None, (self.report_line, line)))
 
     def _exit_status(self, verdict: str, scope: list[str] | None,
                      results: Sequence[dict[str, Any]], startup: bool) -> int | None:

@@ -158,7 +158,7 @@ class KvSession:
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         v = compat.versions()
         lines = [f"kvconform: vllm {v['vllm']}, vllm-omni {v['vllm-omni'] or 'not installed'}, "
-                 f"torch {v['torch']}; device {self.device}"]
+                 f"torch {v['torch']}; device {self.device}", release_line(v)]
         lines += self.selection.header_lines()
         env_line = run_env.header_line(self._env_added)
         if env_line:
@@ -174,3 +174,22 @@ class KvSession:
             lines.append(f"kvconform: WARNING: seeded worker fault {self.fault!r} is active "
                          "(KVCONFORM_WORKER_FAULT); results do not qualify anything")
         return lines
+
+
+def release_line(versions: dict[str, str | None]) -> str:
+    """Whether the installed stack is one the shipped release table qualifies, and if not
+    what to install (the extras this package's metadata pins)."""
+    from importlib import metadata
+
+    from pytest_kvconform.report import release_table
+    from pytest_kvconform.report.schema import ReportError
+
+    try:
+        table = release_table.load()
+    except ReportError as exc:
+        return f"kvconform: release table: not read ({exc.message})"
+    try:
+        requires = metadata.requires("pytest-kvconform") or []
+    except metadata.PackageNotFoundError:  # run from a checkout, not installed
+        requires = []
+    return release_table.header_line(table, versions, release_table.extras(requires))

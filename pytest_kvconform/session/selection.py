@@ -70,7 +70,7 @@ class KvSelection:
         self.known = known
         self.xfails: list[Any] = list(known.entries) if known is not None else []
         if known is not None:  # the report's options name the file that applied
-            options.raw["xfails"] = str(known.path) if known.path is not None else None
+            options.raw["xfails"] = known.option
         self.counts = Counts()
         # describe() ids of xfail entries that named a collected test (any process).
         self.xfail_matched: set[str] = set()

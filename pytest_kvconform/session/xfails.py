@@ -15,6 +15,10 @@ describes no outcome, is refused when the file is loaded, in every mode.
 
 File format (TOML)::
 
+    [known_on]                  # optional: the stacks the file's findings are known on;
+    vllm_omni = ">=0.30,<0.33"  # --kv-xfails auto applies every shipped file whose
+    vllm = ">=0.30"             # conditions hold (PEP 440; pre-releases included)
+
     [[xfail]]
     backend = "FLASH_ATTN"      # backend name, or "*" for any (including upstream tests)
     clause = "KV-L6"            # or "*" (every clause: a backend that cannot run at all)
@@ -34,14 +38,22 @@ File format (TOML)::
 
 Without ``errors`` an entry never absorbs a harness error (a worker that died or
 timed out, an OOM, the plugin's own exception): those stay status ``error``.
+
+A file is bounded as a case file is (:data:`MAX_FILE_BYTES`, :data:`MAX_ENTRIES`), and a
+``match`` cannot run away: a pattern that can backtrack exponentially (a repetition of
+something that itself varies in length or alternates, ``(.+)+``) is refused when the file
+is loaded, and every search runs under a time budget (:func:`bounded_search`).
 """
 
 from __future__ import annotations
 
+import importlib
 import re
+import signal
+import threading
 import tomllib
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +74,15 @@ ERRORS_KEY = "errors"
 ERROR_KINDS = tuple(kind.value for kind in ErrorKind)
 # A not-applicable skip needs no declaration: strict qualification forgives it everywhere.
 SKIP_KINDS = tuple(kind.value for kind in SkipKind if kind is not SkipKind.NOT_APPLICABLE)
+KNOWN_ON = "known_on"  # the file's table of the stacks its findings are known on
+# A file is read whole and every entry is matched against every collected test: bounded as
+# a case file is (a stack's findings are a few dozen entries).
+MAX_FILE_BYTES = 1 << 20
+MAX_ENTRIES = 1000
+MAX_PATTERN_CHARS = 1000
+# What one search of a ``match`` may take before it is given up (a failure it could not
+# decide in time is not described by it).
+MATCH_BUDGET_S = 1.0
 
 
 class XfailFileError(ValueError):
@@ -109,12 +130,12 @@ class XfailEntry:
         an escaped exception's ``Type: message``) is the one this entry expects: every
         problem contains ``match``.  A failure with one problem more is another failure."""
         return (self.skip is None and self.match is not None and bool(problems)
-                and all(self.match.search(problem) for problem in problems))
+                and all(bounded_search(self.match, problem) for problem in problems))
 
     def describes_skip(self, kind: str | None, reason: str) -> bool:
         """Whether a skip of ``kind`` with ``reason`` is the one this entry declares."""
         return (self.skip is not None and kind == self.skip
-                and (self.match is None or self.match.search(reason) is not None))
+                and (self.match is None or bool(bounded_search(self.match, reason))))
 
     def expectation(self) -> str:
         """What the entry expects, in words: ``a failure matching 'KeyError'``."""
@@ -183,43 +204,132 @@ class XfailEntry:
 
     def versions_hold(self, versions: Mapping[str, str | None]) -> bool:
         """Whether every version condition holds for ``versions`` (absent: does not)."""
-        for key in _VERSION_KEYS:
-            spec: SpecifierSet | None = getattr(self, key)
-            if spec is None:
-                continue
-            installed = versions.get(key)
-            if installed is None:
-                installed = versions.get(key.replace("_", "-"))
-            if installed is None:
-                return False
-            try:
-                version = Version(installed)
-            except InvalidVersion:
-                return False
-            if not spec.contains(version, prereleases=True):
-                return False
-        return True
+        return conditions_hold({key: getattr(self, key) for key in _VERSION_KEYS}, versions)
 
 
-def load_xfails(path: str | Path) -> list[XfailEntry]:
-    """Parse and validate an xfail file; the first problem raises :class:`XfailFileError`."""
+def conditions_hold(conditions: Mapping[str, SpecifierSet | None],
+                    versions: Mapping[str, str | None]) -> bool:
+    """Whether each PEP 440 condition (``vllm`` / ``vllm_omni``; None: no condition) holds
+    for the installed versions.  Pre-releases are versions like any other here
+    (``>=0.30,<0.33`` holds for 0.32.0rc1; ``<0.31`` does not hold for 0.31.0rc1, a
+    pre-release of the version it excludes).  A condition on a package that is absent, or
+    whose version does not parse, does not hold."""
+    for key, spec in conditions.items():
+        if spec is None:
+            continue
+        installed = versions.get(key)
+        if installed is None:
+            installed = versions.get(key.replace("_", "-"))
+        if installed is None:
+            return False
+        try:
+            version = Version(installed)
+        except InvalidVersion:
+            return False
+        if not spec.contains(version, prereleases=True):
+            return False
+    return True
+
+
+def describe_conditions(conditions: Mapping[str, SpecifierSet | None]) -> str:
+    """``vllm-omni >=0.30,<0.33`` (sorted specifiers, as PEP 440 prints them)."""
+    return " and ".join(f"{key.replace('_', '-')} {_spec_text(spec)}"
+                        for key, spec in conditions.items() if spec is not None)
+
+
+def _spec_text(spec: SpecifierSet) -> str:
+    return ",".join(sorted((str(s) for s in spec), key=lambda t: t.lstrip("<>=!~")))
+
+
+@dataclass(frozen=True)
+class FindingsFile:
+    """One known-findings file: its entries, and the stacks it says they are known on
+    (``[known_on]``; empty when it does not say)."""
+
+    path: Path
+    entries: tuple[XfailEntry, ...]
+    known_on: Mapping[str, SpecifierSet] = field(default_factory=dict)
+
+    def applies_to(self, versions: Mapping[str, str | None]) -> bool:
+        """Whether ``--kv-xfails auto`` applies it to the installed stack: its
+        ``[known_on]`` conditions hold; without that table, every conditioned entry's do
+        (and it has one)."""
+        if self.known_on:
+            return conditions_hold(self.known_on, versions)
+        conditioned = [e for e in self.entries if e.conditioned]
+        return bool(conditioned) and all(e.versions_hold(versions) for e in conditioned)
+
+
+def load_findings_file(path: str | Path) -> FindingsFile:
+    """Parse and validate a known-findings file; the first problem raises
+    :class:`XfailFileError` naming the file (and the entry and key)."""
     file = str(path)
     try:
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+            raw = fh.read(MAX_FILE_BYTES + 1)  # never more: a file of findings is small
     except OSError as exc:
         raise XfailFileError(file, f"cannot read: {exc.strerror or exc}") from exc
+    if len(raw) > MAX_FILE_BYTES:
+        raise XfailFileError(file, f"larger than the limit {MAX_FILE_BYTES} bytes for a "
+                             "known-findings file")
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise XfailFileError(file, f"not UTF-8: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise XfailFileError(file, f"not valid TOML: {exc}") from exc
-    unknown = sorted(set(data) - {"xfail"})
+    unknown = sorted(set(data) - {"xfail", KNOWN_ON})
     if unknown:
         raise XfailFileError(
-            file, f"unknown top-level key {unknown[0]!r} (expected only [[xfail]] tables)"
-        )
+            file, f"unknown top-level key {unknown[0]!r} (expected [{KNOWN_ON}] and "
+                  "[[xfail]] tables)")
     tables = data.get("xfail", [])
     if not isinstance(tables, list):
         raise XfailFileError(file, "'xfail' must be an array of tables ([[xfail]])")
-    return [_parse_entry(file, i, table) for i, table in enumerate(tables, start=1)]
+    if len(tables) > MAX_ENTRIES:
+        raise XfailFileError(file, f"{len(tables)} entries, more than the limit {MAX_ENTRIES} "
+                             "for a known-findings file")
+    known_on = _parse_known_on(file, data.get(KNOWN_ON))
+    entries = tuple(_within(_parse_entry(file, i, table), known_on)
+                    for i, table in enumerate(tables, start=1))
+    return FindingsFile(Path(path), entries, known_on)
+
+
+def _within(entry: XfailEntry, known_on: Mapping[str, SpecifierSet]) -> XfailEntry:
+    """The entry's version conditions and its file's ``[known_on]``, both: however the
+    file is applied (``auto`` or named), no entry applies where its file is not known."""
+    def within(own: SpecifierSet | None, key: str) -> SpecifierSet | None:
+        outer = known_on.get(key)
+        return own if outer is None else outer if own is None else own & outer
+
+    return replace(entry, vllm=within(entry.vllm, "vllm"),
+                   vllm_omni=within(entry.vllm_omni, "vllm_omni"))
+
+
+def _parse_known_on(file: str, table: Any) -> dict[str, SpecifierSet]:
+    if table is None:
+        return {}
+    where = f"[{KNOWN_ON}]"
+    if not isinstance(table, dict) or not table:
+        raise XfailFileError(file, f"{where} must be a table of PEP 440 conditions on "
+                             f"{' and '.join(_VERSION_KEYS)}")
+    out = {}
+    for key, value in table.items():
+        if key not in _VERSION_KEYS:
+            raise XfailFileError(file, f"{where}: unknown key {key!r} (allowed: "
+                                 f"{', '.join(_VERSION_KEYS)})")
+        try:
+            out[key] = SpecifierSet(value) if isinstance(value, str) and value.strip() else None
+        except InvalidSpecifier:
+            out[key] = None
+        if out[key] is None:
+            raise XfailFileError(file, f"{where}: key {key!r}: bad PEP 440 specifier {value!r}")
+    return {key: spec for key, spec in out.items() if spec is not None}
+
+
+def load_xfails(path: str | Path) -> list[XfailEntry]:
+    """Parse and validate an xfail file's entries (:func:`load_findings_file`)."""
+    return list(load_findings_file(path).entries)
 
 
 def _parse_entry(file: str, index: int, table: Any) -> XfailEntry:
@@ -249,10 +359,7 @@ def _parse_entry(file: str, index: int, table: Any) -> XfailEntry:
         raise fail(f"bad clause id {fields['clause']!r} (expected e.g. 'KV-L6')", "clause")
     _check_test(fields["test"], fields["clause"], fail)
     if "match" in fields:
-        try:
-            fields["match"] = re.compile(fields["match"])
-        except re.error as exc:
-            raise fail(f"not a regular expression: {exc}", "match") from None
+        fields["match"] = _compile_match(fields["match"], fail)
     if "skip" in fields and fields["skip"] not in SKIP_KINDS:
         raise fail(f"must be one of {', '.join(SKIP_KINDS)} (a not-applicable skip needs no "
                    f"declaration), got {fields['skip']!r}", "skip")
@@ -271,6 +378,118 @@ def _parse_entry(file: str, index: int, table: Any) -> XfailEntry:
                    "the expected failure contains), 'skip' (the skip kind it declares) or "
                    "'errors' (the harness-error kinds it absorbs)")
     return XfailEntry(file=file, index=index, **fields)
+
+
+def _compile_match(text: str, fail: Any) -> re.Pattern[str]:
+    """``match`` compiled, refused when too long or when it can backtrack exponentially."""
+    if len(text) > MAX_PATTERN_CHARS:
+        raise fail(f"{len(text)} characters, more than the limit {MAX_PATTERN_CHARS}", "match")
+    try:
+        pattern = re.compile(text)
+    except re.error as exc:
+        raise fail(f"not a regular expression: {exc}", "match") from None
+    except RecursionError:
+        raise fail("not a regular expression: nested too deeply", "match") from None
+    runaway = runaway_repeat(text)
+    if runaway is not None:
+        raise fail(f"{text!r} can backtrack without end: {runaway}; match what each problem "
+                   "contains without repeating a group that itself repeats or alternates "
+                   "(e.g. '.+' for '(.+)+', '[ab]+' for '(a|b)+')", "match")
+    return pattern
+
+
+# The regular expression parser's node kinds, by name (re._parser is private; read once).
+_SRE: Any = importlib.import_module("re._parser")
+_REPEATS = {str(op) for op in ("MAX_REPEAT", "MIN_REPEAT")}
+_ATOMIC = {"POSSESSIVE_REPEAT", "ATOMIC_GROUP"}  # no backtracking into them
+
+
+def runaway_repeat(text: str) -> str | None:
+    """Why the pattern can backtrack exponentially, or None: a repetition (``*``, ``+``,
+    ``{m,n}`` with n > 1) of something that can match in more than one way, i.e. that
+    varies in length (``(.+)+``, ``(a*b?)*``, ``(.*a){20}``) or alternates (``(a|aa)+``),
+    a back-reference included.  Possessive and atomic groups never backtrack: allowed."""
+    def walk(items: Any, inside: str | None) -> str | None:
+        for op, arg in items:
+            name = str(op)
+            if name in _ATOMIC:
+                continue
+            if name in _REPEATS:
+                low, high, body = arg
+                if inside is not None and low != high:
+                    return f"{inside} repeats {_shown_node(name, low, high)}, which varies"
+                repeats = high > 1 or high == _SRE.MAXREPEAT
+                if repeats:
+                    lo, hi = body.getwidth()
+                    if lo != hi:
+                        return f"a repetition {_shown_node(name, low, high)} of something " \
+                               "that varies in length"
+                found = walk(body, "a repetition" if repeats else inside)
+            elif name == "BRANCH":
+                if inside is not None:
+                    return f"{inside} holds an alternation"
+                found = next((f for f in (walk(b, None) for b in arg[1]) if f), None)
+            elif name == "SUBPATTERN":
+                found = walk(arg[-1], inside)
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                found = walk(arg[1], inside)
+            elif name == "GROUPREF" and inside is not None:
+                return f"{inside} holds a back-reference"
+            elif name == "GROUPREF_EXISTS":
+                found = next((f for f in (walk(b, inside) for b in arg[1:] if b) if f), None)
+            else:
+                found = None
+            if found:
+                return found
+        return None
+
+    try:
+        return walk(_SRE.parse(text), None)
+    except (re.error, RecursionError):
+        return None  # compile() says what is wrong with it
+
+
+def _shown_node(name: str, low: int, high: int) -> str:
+    most = "" if high == _SRE.MAXREPEAT else str(high)
+    lazy = "?" if name == "MIN_REPEAT" else ""
+    shown = {(0, ""): "*", (1, ""): "+", (0, "1"): "?"}.get(
+        (low, most), f"{{{low}}}" if str(low) == most else f"{{{low},{most}}}")
+    return f"'{shown}{lazy}'"
+
+
+class _OverBudget(Exception):
+    """A search ran past :data:`MATCH_BUDGET_S`."""
+
+
+def bounded_search(pattern: re.Pattern[str], text: str,
+                   budget: float = MATCH_BUDGET_S) -> bool | None:
+    """Whether ``pattern`` is found in ``text``; None when the search was given up after
+    ``budget`` seconds.  The bound is a real-time timer (the regular expression engine
+    checks for signals as it goes), armed only in the main thread and only when no other
+    timer or SIGALRM handler is in use; elsewhere the search runs unbounded (a pattern that
+    can backtrack exponentially is refused at load already)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getitimer(signal.ITIMER_REAL)[0]
+            or signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, signal.SIG_IGN)):
+        return pattern.search(text) is not None
+    armed = True
+
+    def expire(signum: int, frame: Any) -> None:
+        if armed:
+            raise _OverBudget
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, budget)
+        try:
+            return pattern.search(text) is not None
+        finally:
+            armed = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _OverBudget:
+        return None
+    finally:
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _check_test(test: str, clause: str, fail: Any) -> None:
@@ -382,15 +601,22 @@ SHIPPED_DIR = Path(__file__).resolve().parents[1] / "known"
 
 @dataclass(frozen=True)
 class KnownFindings:
-    """The known-findings file a run applies, and why (the header's line)."""
+    """The known-findings files a run applies, their entries in file order, and why (the
+    header's line)."""
 
-    path: Path | None
+    paths: tuple[Path, ...]
     why: str
     entries: tuple[XfailEntry, ...] = ()
 
     def header_line(self) -> str:
-        where = _shown(self.path) if self.path is not None else "none"
+        where = ", ".join(_shown(p) for p in self.paths) or "none"
         return f"kvconform: known findings: {where} ({self.why})"
+
+    @property
+    def option(self) -> str | None:
+        """What the report's options record as the files applied (None: none): a shipped
+        file by its place in the package, so two environments' reports name it alike."""
+        return ", ".join(_shown(p) for p in self.paths) or None
 
 
 def _shown(path: Path) -> str:
@@ -408,34 +634,48 @@ def describe_versions(versions: Mapping[str, str | None]) -> str:
 
 def shipped_for(versions: Mapping[str, str | None],
                 shipped: Path = SHIPPED_DIR) -> KnownFindings:
-    """The shipped file written for the installed stack: the one whose every version
-    condition holds (and that has one); none when no file, or more than one, matches."""
-    matches = []
-    for path in sorted(shipped.glob("*.toml")):
-        entries = load_xfails(path)
-        conditioned = [e for e in entries if e.conditioned]
-        if conditioned and all(e.versions_hold(versions) for e in conditioned):
-            matches.append((path, entries))
+    """The shipped files whose findings are known on the installed stack (each one's
+    ``[known_on]`` holds, or without it each conditioned entry's), in name order: one
+    file holds a finding for every stack it is known on, and a stack may have several
+    files (e.g. vllm-omni's findings and vLLM's own)."""
+    found = [f for f in map(load_findings_file, sorted(shipped.glob("*.toml")))
+             if f.applies_to(versions)]
     installed = describe_versions(versions)
-    if len(matches) == 1:
-        path, entries = matches[0]
-        return KnownFindings(path, f"shipped; written for the installed {installed}",
-                             tuple(entries))
-    if not matches:
-        return KnownFindings(None, f"no shipped file is written for {installed}")
-    names = ", ".join(p.name for p, _ in matches)
-    raise XfailFileError(str(shipped), f"{names} are each written for {installed}: a stack "
-                         "has one file of known findings")
+    if not found:
+        return KnownFindings((), f"no shipped file is written for {installed}")
+    ranges = [f"{f.path.name if len(found) > 1 else ''} known on "
+              f"{describe_conditions(f.known_on)}".lstrip() for f in found if f.known_on]
+    if ranges:
+        why = f"shipped; {'; '.join(ranges)}: the installed {installed}"
+    else:
+        why = f"shipped; written for the installed {installed}"
+    return KnownFindings(tuple(f.path for f in found), why,
+                         tuple(e for f in found for e in f.entries))
 
 
 def known_findings(value: str | Path | None, versions: Mapping[str, str | None]
                    ) -> KnownFindings:
-    """``--kv-xfails``: ``auto`` (default) the shipped file for the installed stack,
+    """``--kv-xfails``: ``auto`` (default) the shipped files for the installed stack,
     ``none`` no known findings, else the file named; a bad file raises
     :class:`XfailFileError` naming it."""
     text = str(value) if value not in (None, "") else AUTO
     if text == AUTO:
         return shipped_for(versions)
     if text == NONE:
-        return KnownFindings(None, "--kv-xfails none")
-    return KnownFindings(Path(text), "--kv-xfails", tuple(load_xfails(text)))
+        return KnownFindings((), "--kv-xfails none")
+    return KnownFindings((Path(text),), "--kv-xfails", tuple(load_xfails(text)))
+
+
+# How many stale entries the summary names before it counts the rest.
+SHOWN_STALE = 5
+
+
+def stale_summary(stale: Sequence[XfailEntry], shown: int = SHOWN_STALE) -> str | None:
+    """One line for the entries that matched no test: their count and the first few
+    (a file of thousands would otherwise print thousands of lines); None when none."""
+    if not stale:
+        return None
+    names = ", ".join(e.describe() for e in stale[:shown])
+    more = f", and {len(stale) - shown} more" if len(stale) > shown else ""
+    return (f"{len(stale)} stale known-finding entr{'ies' if len(stale) != 1 else 'y'} "
+            f"matched no test: {names}{more}")

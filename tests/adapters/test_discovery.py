@@ -125,3 +125,16 @@ def test_registry_members_can_be_named() -> None:
     two of them."""
     found, note = discovery.registry_backends({"TORCH_SDPA", "NO_SUCH_MEMBER"})
     assert note is None and [b.name for b in found] == ["TORCH_SDPA"] and found[0].importable
+
+
+@needs_omni
+def test_every_member_of_the_installed_registry_is_discovered() -> None:
+    """Whatever the installed vllm-omni's registry holds (0.32.0rc1 added VDNH3_ATTN), each
+    member is a discovered backend, importable or with its reason."""
+    from vllm_omni.diffusion.attention.backends.registry import DiffusionAttentionBackendEnum
+
+    members = [member.name for member in DiffusionAttentionBackendEnum]
+    found, note = discovery.registry_backends()
+    assert note is None
+    assert sorted(b.name for b in found) == sorted(members)
+    assert all(b.importable or b.error for b in found)

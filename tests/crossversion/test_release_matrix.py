@@ -92,6 +92,11 @@ def test_cli_writes_validates_and_shows_the_combined_report(clone: Path, tmp_pat
     printed = capsys.readouterr().out
     assert "kvconform: matrix verdict: not qualified (qualified: py311-vllm029; not qualified: " \
            "py311-vllm031; not built: py311-vllm034)" in printed
+    # Each leg that ran counts its stack's known findings: persisting, fixed, new.
+    assert "kvconform: matrix: py311-vllm029 (vLLM 0.29.0 / vllm-omni - / torch 2.13.0): " \
+           "qualified (0 known findings persist, 0 fixed, 0 new)\n" in printed
+    assert "kvconform: matrix: py311-vllm031 (vLLM 0.31.0 / vllm-omni 0.30.0 / torch 2.13.0): " \
+           "not qualified (0 known findings persist, 0 fixed, 1 new): " in printed
     assert main(["validate", str(out / "matrix.json")]) == 0
     assert "valid (pytest-kvconform/matrix/1, 2 leg report(s) of pytest-kvconform/report/2)" \
         in capsys.readouterr().out
@@ -189,15 +194,20 @@ def test_build_failure_reason_is_uvs_error_block() -> None:
     assert legs.build_failure(other) == "tox exited 2: one | two | three"
 
 
-def test_repository_matrix_label_names_every_supported_minor() -> None:
-    """tox.ini's label is the matrix: vLLM 0.29-0.34, default environments untouched."""
+def test_repository_matrix_label_names_every_supported_stack() -> None:
+    """tox.ini's label is the matrix: vLLM 0.29-0.34, each with the vllm-omni release or
+    pre-release that goes with it (a factor adds the pre-release's pin)."""
     root = ROOT
     text = (root / "tox.ini").read_text()
     label = next(line for line in text.splitlines() if line.strip().startswith("matrix ="))
     assert [name.strip() for name in label.split("=", 1)[1].split(",")] == [
-        f"py311-vllm0{n}" for n in range(29, 35)]
+        "py311-vllm029", "py311-vllm030", "py311-vllm031-omni031rc1",
+        "py311-vllm032-omni032rc1", "py311-vllm033-omni032rc1", "py311-vllm034"]
     assert legs.requested_stack("-r requirements/vllm030.txt", root) == {
         "vllm": "0.30.0", "vllm_omni": "0.30.0", "torch": "2.13.0"}
+    assert legs.requested_stack("-r requirements/vllm032.txt\n-r requirements/omni032rc1.txt",
+                                root) == {"vllm": "0.32.0", "vllm_omni": "0.32.0rc1",
+                                          "torch": "2.13.0"}
 
 
 @pytest.mark.delivers_signal

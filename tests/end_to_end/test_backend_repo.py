@@ -169,10 +169,13 @@ def test_a_conforming_backend_qualifies_on_its_own(backend_repo: tuple[Path, Pat
                        "--junitxml", "junit.xml", "--kv-report", "r.json")
     assert code == 0, out[-6000:]
     assert ("kvconform: known findings: pytest_kvconform/known/vllm_omni_0_30.toml (shipped; "
-            "written for the installed vllm 0.30.0, vllm-omni 0.30.0)") in out, out[-6000:]
+            "known on vllm >=0.30,<0.33 and vllm-omni >=0.30,<0.33: the installed vllm 0.30.0, "
+            "vllm-omni 0.30.0)") in out, out[-6000:]
+    # The installed stack is the release's: the shipped release table says so.
+    assert "kvconform: release table: this stack is qualified by leg py311-vllm030\n" in out
     assert "kvconform: verdict for MY_EP_ATTN: qualified" in out, out[-6000:]
     assert "kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): " in out
-    assert "no regression" in out and "is bitten in production" in out, out[-6000:]
+    assert ", 0 fixed, 0 new" in out and "is bitten in production" in out, out[-6000:]
     summary = out.split("short test summary info")[-1]
     assert "SKIPPED [1] kvconform/test_layout.py:" in summary, summary
     assert "site-packages" not in summary, summary
@@ -211,8 +214,8 @@ def test_a_stack_regression_is_reported_as_the_stacks(backend_repo: tuple[Path, 
                        env={"SEED_STACK_REGRESSION": "1"})
     assert code == EXIT_STACK_REGRESSED, out[-6000:]
     assert "kvconform: verdict for MY_EP_ATTN: partial (left out: -k" in out, out[-6000:]
-    assert ("kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 0 known finding results "
-            "listed, 1 regression no known finding describes: KV-S1 "
+    assert ("kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 0 known findings persist "
+            "(0 results), 0 fixed, 1 new (no known finding describes them): KV-S1 "
             "test_kv_s1[BLNHC-bf16_h8]") in out, out[-6000:]
 
 

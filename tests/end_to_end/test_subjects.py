@@ -56,11 +56,12 @@ def test_the_shipped_findings_apply_without_naming_a_file(repo: pytest.Pytester,
         # the registry's backends are listed, not imported (a broken one cannot touch this)
         "kvconform: 1 backends (1 importable) discovered in *s: MY_HOOK_ATTN; * left out by "
         "--kv-backend (not imported): *FLASH_ATTN*MY_SLIP*",
-        "kvconform: known findings: pytest_kvconform/known/vllm_omni_0_30.toml (shipped; "
-        "written for the installed vllm 0.30.0, vllm-omni 0.30.0)",
+        "kvconform: known findings: pytest_kvconform/known/vllm_omni_0_30.toml (shipped; known "
+        "on vllm >=0.30,<0.33 and vllm-omni >=0.30,<0.33: the installed vllm 0.30.0, vllm-omni "
+        "0.30.0)",
         "kvconform: verdict for MY_HOOK_ATTN: partial (left out: -k *",
-        "kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 1 known finding result listed, "
-        "no regression",
+        "kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 1 known finding persists (1 result), "
+        "0 fixed, 0 new",
         "kvconform: MY_HOOK_ATTN is bitten in production by the stack's findings: KV-L8 "
         "test_kv_l8_alias (known: vllm_omni_0_30.toml:1 */KV-L8/test_kv_l8_alias)"])
     data = _report(repo)
@@ -109,8 +110,8 @@ def test_a_stack_regression_is_the_stacks(repo: pytest.Pytester, kv_run: Any, se
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
         "kvconform: verdict for MY_HOOK_ATTN: partial (left out: -k *",
-        literal("kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 0 known finding results "
-                "listed, 1 regression no known finding describes: KV-S1 "
+        literal("kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 0 known findings persist "
+                "(0 results), 0 fixed, 1 new (no known finding describes them): KV-S1 "
                 "test_kv_s1[BLNHC-bf16_h8]")])
     assert data["stack"]["regressions"] == [
         "kvconform/test_strides.py::test_kv_s1[BLNHC-bf16_h8]"]

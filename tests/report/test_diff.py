@@ -67,7 +67,8 @@ def test_cli_exits_1_on_a_new_failure_only(tmp_path: Path, capsys: Any) -> None:
     b.write_text(json.dumps(report_b()))
     assert main(["diff", str(a), str(b)]) == 1
     text = capsys.readouterr().out
-    assert "**1 new failure(s), 2 fixed (1 stale known finding(s)), 2 newly unchecked, " \
+    assert "**1 new failure(s), 2 fixed (1 stale known finding(s)), 0 known finding(s) persist " \
+           "(0 result(s)), 2 newly unchecked, " \
            "1 newly checked, 0 newly declared known, 0 checked through another entry point; " \
            "1 still failing**" in text
     assert "- `test_kv_l1[GOOD]` (KV-L1, GOOD): passed -> failed: KV-L1 violated: returned 1" \
@@ -79,6 +80,11 @@ def test_cli_exits_1_on_a_new_failure_only(tmp_path: Path, capsys: Any) -> None:
     assert "- vllm_omni: 0.30.0 -> not installed" in text
     assert main(["diff", str(b), str(b)]) == 0  # nothing new
     assert "**0 new failure(s)" in capsys.readouterr().out
+    assert main(["diff", str(a), str(a)]) == 0  # the known finding persists
+    text = capsys.readouterr().out
+    assert "**0 new failure(s), 0 fixed (0 stale known finding(s)), 1 known finding(s) persist " \
+           "(1 result(s)), " in text
+    assert f"### Known findings that persist\n\n- `{KNOWN}` (1 result)\n" in text
     assert main(["diff", str(b), str(a)]) == 1  # L2 fails again
 
 
@@ -164,3 +170,37 @@ def test_a_fault_the_backends_own_code_caused_is_no_new_failure_of_the_stack(
 def test_ci_does_not_run_the_matrix() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert "kvconform matrix" not in ci and "-m matrix" not in ci
+
+
+def test_a_known_finding_on_a_new_backend_persists() -> None:
+    """B's new backend fails as a finding A knows: the finding persists (on one row more),
+    it is not newly declared; a finding A never knew is."""
+    alias = row("s::test_kv_l8_alias[GOOD]", "KV-L8", "xfailed", xfail=KNOWN)
+    a = build([alias], strict=False)
+    other = "known.toml:9 */KV-L8/test_kv_l8_env_refused"
+    b = build([alias, {**alias, "nodeid": "s::test_kv_l8_alias[NEW]", "backend": "NEW"},
+               row("s::test_kv_l8_env_refused[NEW]", "KV-L8", "xfailed", backend="NEW",
+                   xfail=other)],
+              strict=False, backends=[backend_record(), backend_record("NEW", "m:N")])
+    diff = diff_reports(a, b)
+    assert [c.test for c in diff.persists] == ["test_kv_l8_alias[GOOD]", "test_kv_l8_alias[NEW]"]
+    assert diff.persisting_findings == [KNOWN]
+    assert [(c.test, c.note) for c in diff.declared] == [
+        ("test_kv_l8_env_refused[NEW]", f"declared: {other}")]
+    assert not diff.new_failures
+
+
+def test_a_declared_skip_persists_and_a_seeded_failure_says_so() -> None:
+    """A backend that still does not import, as its entry declares, is a finding that
+    persists; a result produced under a seeded worker fault is a new failure naming it."""
+    skip = row("s::test_kv_l1[SAGE3]", "KV-L1", "skipped", backend="SAGE3",
+               skip_kind="backend", reason="KV-L1: no module sageattn3",
+               xfail="known.toml:5 SAGE3/*")
+    a = build([skip, row("s::test_kv_a2[GOOD-c]", "KV-A2")], strict=False)
+    b = build([skip, row("s::test_kv_a2[GOOD-c]", "KV-A2", "failed", reason="KV-A2 violated",
+                         seeded_fault="handoff_drops_layout")],
+              strict=False, env=environment(seeded_faults=["handoff_drops_layout"]))
+    diff = diff_reports(a, b)
+    assert diff.persisting_findings == ["known.toml:5 SAGE3/*"]
+    assert [(c.test, c.note) for c in diff.new_failures] == [
+        ("test_kv_a2[GOOD-c]", "under the seeded worker fault handoff_drops_layout")]

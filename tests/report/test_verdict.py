@@ -72,6 +72,45 @@ def test_a_backend_scoped_run_is_judged_on_its_backends_own_results() -> None:
     assert build([own, failing, seam], excluded_backends=["SAGE"])["verdict"] == "not qualified"
 
 
+ALIAS_ENTRY = "k.toml:1 */KV-L8/test_kv_l8_alias"
+SEAM_ENTRY = "k.toml:6 need_True/KV-L6/test_kv_l6_seam"
+
+
+def test_each_known_finding_persists_is_fixed_or_a_failure_is_new() -> None:
+    """The stack's results by finding: an entry whose failure still shows persists, one
+    whose results all pass is fixed, and a failure no entry describes is new; the stack's
+    line, the report's record and its Markdown count the three apart."""
+    alias = [row(f"s.py::test_kv_l8_alias[{b}]", "KV-L8", "xfailed", backend=b,
+                 xfail=ALIAS_ENTRY) for b in ("A", "B")]
+    seam = row("s.py::test_kv_l6_seam[need_True]", "KV-L6", "xpassed", backend="need_True",
+               xfail=SEAM_ENTRY)
+    new = row("s.py::test_kv_s1[LBNHC-c]", "KV-S1", "failed", backend=None)
+    report = build([*alias, seam, new], strict=False)
+    assert report["stack"]["findings"] == {"persists": [ALIAS_ENTRY], "fixed": [SEAM_ENTRY],
+                                           "new": [new["nodeid"]]}
+    rp.validate_report(report)
+    assert rp.stack_text(report["results"]) == (
+        f"1 known finding persists (2 results), 1 fixed (remove their entries, or narrow their "
+        f"versions): {SEAM_ENTRY}, 1 new (no known finding describes them): KV-S1 "
+        "test_kv_s1[LBNHC-c]")
+    md = rp.render_markdown(report)
+    assert "1 known findings persist (2 results), 1 fixed, 1 new" in md
+    assert f"Known findings that persist:\n\n- `{ALIAS_ENTRY}`" in md
+    # A finding with one result passing and one failing as described still persists.
+    partly = build([alias[0], {**alias[1], "status": "xpassed"}], strict=False)
+    assert partly["stack"]["findings"] == {"persists": [ALIAS_ENTRY], "fixed": [], "new": []}
+    assert rp.stack_text(partly["results"]).endswith(
+        "known findings that no longer fail on some results (narrow their entries): KV-L8 "
+        "test_kv_l8_alias[B]")
+    # A report written before findings had a lifetime still validates.
+    old = copy.deepcopy(report)
+    del old["stack"]["findings"]
+    rp.validate_report(old)
+    old["stack"]["known"] = []
+    with pytest.raises(rp.ReportError, match=r"\$\.stack: does not match the results"):
+        rp.validate_report(old)
+
+
 def _t(test: str, params: str, status: str, clause: str, **extra: Any) -> dict[str, Any]:
     """A row of suite test ``test[params]`` (backend, case from the params)."""
     backend, _, case = params.partition("-")
@@ -464,14 +503,15 @@ def test_report_path_in_a_read_only_directory(tmp_path: Path) -> None:
 def test_reports_are_written_with_the_usual_mode(tmp_path: Path) -> None:
     old = os.umask(0o022)
     try:
-        json_path, md_path = rp.write_report(tmp_path / "r.md", build([row("a")]))
+        json_path, md_path, page = rp.write_report(tmp_path / "r.md", build([row("a")]))
     finally:
         os.umask(old)
-    assert (json_path.name, md_path.name) == ("r.json", "r.md")
-    for path in (json_path, md_path):
+    assert (json_path.name, md_path.name, page.name) == ("r.json", "r.md", "r.html")
+    for path in (json_path, md_path, page):
         assert stat.S_IMODE(path.stat().st_mode) == 0o644
-    # No temp file; the pair's lock (private) stays.
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".r.json.lock", "r.json", "r.md"]
+    # No temp file; the report's lock (private) stays.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".r.json.lock", "r.html", "r.json",
+                                                          "r.md"]
 
 
 # --------------------------------------------------------------------------- end to end
@@ -566,7 +606,8 @@ def test_ctrl_c_before_the_results_plugin_exists_still_reports(
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(["kvconform: verdict: interrupted (interrupted: "
                                  "KeyboardInterrupt during start-up, before any test was "
-                                 "collected*", "kvconform: report written to r.json and r.md"])
+                                 "collected*",
+                                 "kvconform: report written to r.json, r.md and r.html"])
     data = json.loads((pytester.path / "r.json").read_text())
     rp.validate_report(data)
     assert (data["verdict"], data["results"]) == ("interrupted", [])

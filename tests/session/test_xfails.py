@@ -252,3 +252,125 @@ def test_an_entry_absorbs_only_the_failure_it_describes(tmp_path: Path) -> None:
     assert not skip.describes_failure(["No module named 'x3'"])
     assert alias.expectation() == "a failure matching /raised a bare KeyError/"
     assert skip.expectation() == "a backend skip matching /No module named 'x3'/"
+
+
+# --- the stacks a file's findings are known on ------------------------------------------
+
+ALIAS_ENTRY = ('[[xfail]]\nbackend = "*"\nclause = "KV-L8"\ntest = "test_kv_l8_alias"\n'
+               'match = "KeyError"\nreason = "r"\n')
+KNOWN_ON = '[known_on]\nvllm = ">=0.30,<0.33"\nvllm_omni = ">=0.30,<0.33"\n\n'
+
+
+@pytest.mark.parametrize(("vllm", "omni", "applies"), [
+    ("0.30.0", "0.30.0", True),
+    ("0.31.0", "0.31.0rc1", True),  # a pre-release inside the range is in it
+    ("0.32.0", "0.32.0rc1", True),
+    ("0.33.0", "0.32.0rc1", False),  # one condition fails
+    ("0.32.0", "0.33.0rc1", False),  # "<0.33" excludes 0.33's pre-releases (PEP 440)
+    ("0.30.0", None, False),  # a condition on an absent package does not hold
+])
+def test_one_file_is_known_on_every_stack_its_range_holds_for(
+        tmp_path: Path, vllm: str, omni: str | None, applies: bool) -> None:
+    write(tmp_path, KNOWN_ON + ALIAS_ENTRY, name="omni.toml")
+    versions = {"vllm": vllm, "vllm_omni": omni}
+    found = xfails.shipped_for(versions, shipped=tmp_path)
+    assert bool(found.paths) is applies
+    # However the file is applied, its entries apply only where it is known.
+    (entry,) = load_xfails(tmp_path / "omni.toml")
+    assert entry.applies_to(versions, "cpu") is applies
+    if applies:
+        assert found.header_line() == (
+            f"kvconform: known findings: {tmp_path / 'omni.toml'} (shipped; known on vllm "
+            f">=0.30,<0.33 and vllm-omni >=0.30,<0.33: the installed vllm {vllm}, vllm-omni "
+            f"{omni})")
+
+
+def test_an_entry_narrows_its_files_range(tmp_path: Path) -> None:
+    """A finding fixed in 0.32 says so in its own entry; the file stays known on 0.32."""
+    write(tmp_path, KNOWN_ON + ALIAS_ENTRY + 'vllm_omni = "<0.32"\n', name="omni.toml")
+    (entry,) = load_xfails(tmp_path / "omni.toml")
+    assert entry.applies_to({"vllm": "0.31.0", "vllm_omni": "0.31.0rc1"}, "cpu")
+    assert not entry.applies_to({"vllm": "0.32.0", "vllm_omni": "0.32.0rc1"}, "cpu")
+    assert xfails.shipped_for({"vllm": "0.32.0", "vllm_omni": "0.32.0rc1"},
+                              shipped=tmp_path).paths == (tmp_path / "omni.toml",)
+
+
+def test_every_file_known_on_the_stack_applies(tmp_path: Path) -> None:
+    """vllm-omni's findings and vLLM's own (a file for vLLM alone, with or without
+    vllm-omni) apply together; a file for another stack does not."""
+    write(tmp_path, KNOWN_ON + ALIAS_ENTRY, name="a_omni.toml")
+    write(tmp_path, '[known_on]\nvllm = ">=0.29"\n\n' + ALIAS_ENTRY, name="b_vllm.toml")
+    write(tmp_path, '[known_on]\nvllm = "<0.29"\n\n' + ALIAS_ENTRY, name="c_old.toml")
+    found = xfails.shipped_for({"vllm": "0.30.0", "vllm_omni": "0.30.0"}, shipped=tmp_path)
+    assert found.paths == (tmp_path / "a_omni.toml", tmp_path / "b_vllm.toml")
+    assert [e.describe() for e in found.entries] == [
+        "a_omni.toml:1 */KV-L8/test_kv_l8_alias", "b_vllm.toml:1 */KV-L8/test_kv_l8_alias"]
+    assert "a_omni.toml known on vllm >=0.30,<0.33 and vllm-omni >=0.30,<0.33; b_vllm.toml " \
+           "known on vllm >=0.29: the installed" in found.header_line()
+    alone = xfails.shipped_for({"vllm": "0.29.0", "vllm_omni": None}, shipped=tmp_path)
+    assert alone.paths == (tmp_path / "b_vllm.toml",)
+
+
+@pytest.mark.parametrize(("table", "expected"), [
+    ('[known_on]\ntorch = ">=2"\n', r"\[known_on\]: unknown key 'torch'"),
+    ('[known_on]\nvllm = "0.30"\n', r"\[known_on\]: key 'vllm': bad PEP 440 specifier"),
+    ("known_on = 3\n", r"\[known_on\] must be a table"),
+])
+def test_a_bad_known_on_table_names_the_file(tmp_path: Path, table: str, expected: str) -> None:
+    path = write(tmp_path, table + ALIAS_ENTRY)
+    with pytest.raises(XfailFileError, match=expected):
+        load_xfails(path)
+
+
+# --- a file, and its patterns, are bounded ----------------------------------------------
+
+@pytest.mark.parametrize("pattern", [
+    "(.+)+#", "(a+)+$", "(a|aa)+$", r"(\\w+\\s?)*$", "(.*a){20}", "(?:x+x+)+y", "(ab|cd)+",
+    r"(x)(?:\\1)+", "(.{2,3})+",
+])
+def test_a_match_that_can_backtrack_without_end_is_refused(tmp_path: Path,
+                                                            pattern: str) -> None:
+    path = write(tmp_path, ALIAS_ENTRY.replace('"KeyError"', f'"{pattern}"'))
+    with pytest.raises(XfailFileError, match=r"entry 1: key 'match': .* can backtrack "
+                                             r"without end: a repetition"):
+        load_xfails(path)
+
+
+@pytest.mark.parametrize("pattern", [
+    r"must be honoured as LB[NH]{2}C, but it refused it", r"^VLLM_KV_CACHE_LAYOUT=\\w+ .*x",
+    "(NHD|HND)", r"(\\d{3})+", "a++b", "(?>a+)b", "(a|b)*c",
+])
+def test_a_match_that_cannot_is_kept(tmp_path: Path, pattern: str) -> None:
+    (entry,) = load_xfails(write(tmp_path, ALIAS_ENTRY.replace('"KeyError"', f'"{pattern}"')))
+    assert entry.match is not None
+
+
+def test_a_search_past_its_budget_is_given_up() -> None:
+    """Polynomial backtracking (no nested repetition) on a long hostile message: the search
+    is given up at its budget, and the entry does not describe that failure."""
+    import re
+
+    slow = re.compile(".*.*.*.*#")
+    assert xfails.bounded_search(slow, "x" * 2000, budget=0.2) is None
+    assert xfails.bounded_search(slow, "x" * 20 + "#", budget=0.2) is True
+    assert xfails.bounded_search(re.compile("#"), "x" * 2000, budget=0.2) is False
+
+
+def test_a_file_past_its_size_or_entry_limit_is_refused(tmp_path: Path) -> None:
+    big = write(tmp_path, "# " + "x" * xfails.MAX_FILE_BYTES + "\n" + ALIAS_ENTRY)
+    with pytest.raises(XfailFileError, match=r"larger than the limit 1048576 bytes"):
+        load_xfails(big)
+    many = write(tmp_path, ALIAS_ENTRY * (xfails.MAX_ENTRIES + 1), name="many.toml")
+    with pytest.raises(XfailFileError, match=r"1001 entries, more than the limit 1000"):
+        load_xfails(many)
+
+
+def test_stale_entries_are_summarised(tmp_path: Path) -> None:
+    entries = load_xfails(write(tmp_path, ALIAS_ENTRY * 12, name="k.toml"))
+    assert xfails.stale_summary([]) is None
+    assert xfails.stale_summary(entries[:1]) == (
+        "1 stale known-finding entry matched no test: k.toml:1 */KV-L8/test_kv_l8_alias")
+    assert xfails.stale_summary(entries) == (
+        "12 stale known-finding entries matched no test: " +
+        ", ".join(f"k.toml:{i} */KV-L8/test_kv_l8_alias" for i in range(1, 6)) +
+        ", and 7 more")
