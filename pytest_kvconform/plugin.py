@@ -63,7 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
                             "test is parametrised with (predicate(case) -> bool)")
     _terminate_as_interrupt(config)
     try:
-        known = _startup_checks(options)  # before anything heavy is imported
+        known = _startup_checks(config, options)  # before anything heavy is imported
         _add_suite(config)
         if hasattr(config, "workerinput"):  # an xdist worker never outlives its controller
             from pytest_kvconform.workers.pool import exit_with_parent
@@ -187,10 +187,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     KvWorkers(plugin.device, list(plugin.gpu_ids)).settle(max(sizes, default=0))
 
 
-def _startup_checks(options: Options) -> Any:
-    """Output paths, the case files and the known findings (``KnownFindings``), checked
-    before discovery imports vLLM: a bad or oversized case is refused within a second,
-    before any worker starts."""
+def _startup_checks(config: pytest.Config, options: Options) -> Any:
+    """Output paths, the case files, the backend names and the known findings
+    (``KnownFindings``), checked before discovery imports vLLM: a bad or oversized case,
+    or a backend name no source has, is refused within a second, before any worker
+    starts."""
     from pytest_kvconform.contract import cases
     from pytest_kvconform.session import startup
 
@@ -203,6 +204,12 @@ def _startup_checks(options: Options) -> Any:
         cases.load_cases(options.cases)  # loaded again (and kept) when the session starts
     except cases.CaseFileError as exc:
         raise pytest.UsageError(f"--kv-cases: {exc}") from None
+    hooks = [str(getattr(impl.plugin, "__file__", None) or impl.plugin_name) for impl in
+             config.pluginmanager.hook.pytest_kvconform_backends.get_hookimpls()]
+    try:
+        startup.check_backend_names(options.backends, hooks)
+    except startup.StartupError as exc:
+        raise pytest.UsageError(f"--kv-backend: {exc}") from None
     try:
         return startup.known_findings(options.xfails)
     except startup.StartupError as exc:

@@ -99,7 +99,7 @@ def test_registry_run_l1_l2(kv_run) -> None:
 def test_unknown_backend_is_usage_error(kv_run) -> None:
     result = kv_run("--kv-backend", "NOPE")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--kv-backend: unknown backend NOPE; available backends: "
+    result.stderr.fnmatch_lines(["*--kv-backend: unknown backend 'NOPE'; available backends: "
                                  "CUDNN_ATTN, *TORCH_SDPA, TRTLLM_ATTN*"])
 
 

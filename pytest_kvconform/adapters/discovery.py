@@ -19,11 +19,11 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from pytest_kvconform.adapters import compat
+from pytest_kvconform.adapters.backend_names import ENTRY_POINT_GROUP
 from pytest_kvconform.adapters.omni_plugins import registry_snapshot
 from pytest_kvconform.contract.outcomes import describe_error
 from pytest_kvconform.contract.records import BackendUnderTest
 
-ENTRY_POINT_GROUP = "pytest_kvconform.backends"
 OMNI_MISSING = "vllm-omni not installed"
 
 

@@ -148,10 +148,12 @@ class KvSelection:
             return
         unknown = [name for name in wanted if name not in self.discovery.names]
         if unknown:
-            available = sorted(self.all_backend_names)
-            listing = ", ".join(available) or "(none: " + "; ".join(self.discovery.notes) + ")"
-            raise pytest.UsageError(f"--kv-backend: unknown backend {', '.join(unknown)}; "
-                                    f"available backends: {listing}")
+            from pytest_kvconform.session.startup import unknown_backends
+
+            message = unknown_backends(unknown, self.all_backend_names)
+            if not self.all_backend_names:
+                message += " (" + "; ".join(self.discovery.notes) + ")"
+            raise pytest.UsageError(f"--kv-backend: {message}")
         self.discovery.backends = [b for b in self.discovery.backends if b.name in wanted]
 
     def header_lines(self) -> list[str]:
