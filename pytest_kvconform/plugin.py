@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,22 +36,34 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     pluginmanager.add_hookspecs(hookspecs)
 
 
-def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
-    """xdist sizes ``-n auto`` before pytest_configure; its hooks must be in by then.
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config,
+                                  args: list[str]) -> Generator[None, None, None]:
+    """First, before any conftest loads: the rootdir and configfile as if pytest had known
+    this plugin's options when it chose them (``session/rootdir.py``: a value written as a
+    separate argument, ``--kv-xfails FILE``, is not a test path).  Then the xdist hooks:
+    xdist sizes ``-n auto`` before pytest_configure; its hooks must be in by then.
 
-    Only with ``--kv-conformance`` (or its ini key): a run with the plugin off imports
-    nothing more than this module and ``options`` (the plugin-off cost, bench_goals.py).
+    The xdist hooks only with ``--kv-conformance`` (or its ini key): a run with the plugin
+    off imports nothing more than this module and ``options`` (the plugin-off cost,
+    bench_goals.py), unless an option of ours is written as two arguments.
     """
-    known = getattr(early_config, "known_args_namespace", None)
-    if not getattr(known, "kv_conformance", None):
-        try:
-            if not early_config.getini("kv_conformance"):
-                return
-        except ValueError:
-            return
-    from pytest_kvconform.session.xdist import register_xdist_hooks
+    if any(arg.startswith("--kv-") and "=" not in arg for arg in args):
+        from pytest_kvconform.session.rootdir import settle
 
-    register_xdist_hooks(early_config)
+        settle(early_config, args)
+    known = getattr(early_config, "known_args_namespace", None)
+    enabled = bool(getattr(known, "kv_conformance", None))
+    if not enabled:
+        try:
+            enabled = bool(early_config.getini("kv_conformance"))
+        except ValueError:
+            enabled = False
+    if enabled:
+        from pytest_kvconform.session.xdist import register_xdist_hooks
+
+        register_xdist_hooks(early_config)
+    return (yield)
 
 
 @pytest.hookimpl(tryfirst=True)
