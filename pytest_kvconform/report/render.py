@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from pytest_kvconform.contract import inert
 from pytest_kvconform.contract.clauses import clause_sort_key
 from pytest_kvconform.report.result_notes import result_notes
 from pytest_kvconform.report.verdict import (
@@ -128,7 +129,8 @@ class Footnotes:
         return f"[^{number}]"
 
     def lines(self) -> list[str]:
-        return [f"[^{n}]: {word}: {reason}" for (word, reason), n in self._numbers.items()]
+        return [f"[^{n}]: {md_escape(word)}: {md_escape(reason)}"
+                for (word, reason), n in self._numbers.items()]
 
 
 def _cell(results: Sequence[Mapping[str, Any]], notes: Footnotes) -> str:
@@ -151,8 +153,9 @@ def cell_text(status: str, count: int, total: int) -> str:
 
 
 def md_escape(text: Any) -> str:
-    """Text safe in a Markdown table cell or list item: pipes escaped, one line."""
-    return "" if text is None else str(text).replace("|", "\\|").replace("\n", " ")
+    """Text safe in a Markdown table cell or list item (:func:`inert.markdown`): control
+    characters and markup escaped, one line."""
+    return inert.markdown(text)
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
@@ -196,8 +199,8 @@ def device_text(device: Mapping[str, Any]) -> str:
 def _verdict_line(report: Mapping[str, Any]) -> str:
     mode = "strict" if report["summary"]["strict"] else "non-strict"
     scope = scope_of(report["selection"])
-    whom = f" for {', '.join(scope)}" if scope else ""
-    return f"**Verdict{whom}: {report['verdict']}** ({mode})"
+    whom = f" for {md_escape(', '.join(scope))}" if scope else ""
+    return f"**Verdict{whom}: {md_escape(report['verdict'])}** ({mode})"
 
 
 def _subject_lines(report: Mapping[str, Any]) -> list[str]:
@@ -213,24 +216,26 @@ def _subject_lines(report: Mapping[str, Any]) -> list[str]:
     lines = ["", "## Subjects", ""]
     scope = scope_of(report["selection"])
     lines.append("The verdict speaks for " + (
-        f"{', '.join(scope)}: its own results (the backend's subject)." if scope else
+        f"{md_escape(', '.join(scope))}: its own results (the backend's subject)." if scope else
         "the whole deployment: every result, the backends' and the stack's."))
     lines.append("")
     lines += markdown_table(["subject", "results"], [
         (subject, ", ".join(f"{n} {status}" for status, n in sorted(by.items())))
         for subject, by in sorted(counts.items())])
     stack = report.get("stack") or stack_record(results)
-    lines += ["", f"The stack (vLLM {env['vllm'] or 'not installed'}, vllm-omni "
-              f"{env['vllm_omni'] or 'not installed'}): {len(stack['known'])} known finding "
-              f"results listed; {len(stack['regressions'])} regressions no known finding "
-              f"describes; {len(stack['fixed'])} known findings that no longer fail."]
+    lines += ["", f"The stack (vLLM {md_escape(env['vllm'] or 'not installed')}, vllm-omni "
+              f"{md_escape(env['vllm_omni'] or 'not installed')}): {len(stack['known'])} "
+              f"known finding results listed; {len(stack['regressions'])} regressions no known "
+              f"finding describes; {len(stack['fixed'])} known findings that no longer fail."]
     for title, key in (("Regressions", "regressions"), ("No longer failing", "fixed")):
         if stack[key]:
-            lines += ["", f"{title}:", ""] + [f"- `{nodeid}`" for nodeid in stack[key]]
+            lines += ["", f"{title}:", ""] + [f"- {inert.code_span(nodeid)}"
+                                              for nodeid in stack[key]]
     for backend in scope or ():
         found = bites(results, backend)
         if found:
-            lines += ["", f"The stack's findings that bite {backend} in production:", ""]
+            lines += ["", f"The stack's findings that bite {md_escape(backend)} in production:",
+                      ""]
             lines += [f"- {md_escape(f)}" for f in found]
     return lines
 
@@ -241,7 +246,7 @@ def _completeness_lines(report: Mapping[str, Any]) -> list[str]:
     lines = []
     interruption = interruption_of(report["run"], report["selection"], report["results"])
     if interruption:
-        lines += ["", f"Interrupted: {interruption}."]
+        lines += ["", f"Interrupted: {md_escape(interruption)}."]
     startup = report["startup_failures"]
     if startup:
         lines += ["", "Production would not start: vLLM's and vllm-omni's plugin loaders call "
@@ -251,20 +256,20 @@ def _completeness_lines(report: Mapping[str, Any]) -> list[str]:
     faulted = [r for r in report["results"] if r.get("seeded_fault")]
     faults = report["environment"].get("seeded_faults")
     if faults:
-        lines += ["", f"Seeded worker fault {', '.join(f'`{f}`' for f in faults)} "
+        lines += ["", f"Seeded worker fault {', '.join(inert.code_span(f) for f in faults)} "
                   f"(`$KVCONFORM_WORKER_FAULT`) was active: {len(faulted)} result(s) drove KV-A "
                   "workers under it (marked in the matrix's footnotes); they speak for the "
                   "fault, not the backend, and qualify nothing."]
     missing = left_out(report["selection"])
     if missing:
-        lines += ["", "Left out of the matrix: " + "; ".join(missing) + "."]
+        lines += ["", "Left out of the matrix: " + md_escape("; ".join(missing)) + "."]
     kinds: dict[str, int] = {}
     for r in report["results"]:
         if r["status"] == "error":
             kind = r.get("error_kind") or "harness"
             kinds[kind] = kinds.get(kind, 0) + 1
     if kinds:
-        counts = ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
+        counts = md_escape(", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items())))
         lines += ["", f"Harness errors (E; the harness failed, not the backend): {counts}."]
     return lines
 
@@ -284,8 +289,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "",
         _verdict_line(report),
         "",
-        f"Contract {report['contract']}, schema `{report['schema']}`, host `{env['host']}`, "
-        f"run `{report['run']['id']}` started {report['run']['started']}.",
+        f"Contract {md_escape(report['contract'])}, schema {inert.code_span(report['schema'])}, "
+        f"host {inert.code_span(env['host'])}, run {inert.code_span(report['run']['id'])} "
+        f"started {md_escape(report['run']['started'])}.",
         "",
         "## Matrix",
         "",
@@ -304,7 +310,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines += [f"- {md_escape(describe_uncovered(e))}" for e in report["uncovered"]]
     if report["summary"]["blocking"]:
         lines += ["", "Blocking results:", ""]
-        lines += [f"- `{nodeid}`" for nodeid in report["summary"]["blocking"]]
+        lines += [f"- {inert.code_span(nodeid)}" for nodeid in report["summary"]["blocking"]]
     by_control = result_notes(in_scope(report["results"], scope_of(report["selection"])))
     if by_control:
         lines += ["", "By control (one suite test each):", ""]
@@ -345,13 +351,13 @@ def _import_log_lines(messages: Sequence[Mapping[str, Any]] | None) -> list[str]
     terminal's header): every message, verbatim."""
     if not messages:
         return []
-    fence = "````"  # longer than any fence a message could hold, in practice
+    fence = inert.fence_for(m["text"] for m in messages)  # longer than any run inside
     lines = ["", "### Output of the serving stack's imports", "",
              f"{len(messages)} message{'s' if len(messages) != 1 else ''} printed while "
              f"vLLM / vllm-omni were imported for discovery: the installed stack's own, not "
              f"findings of this run.", "", fence + "text"]
     for message in messages:
-        lines += str(message["text"]).splitlines()
+        lines += inert.terminal(message["text"]).splitlines()
     return [*lines, fence]
 
 
@@ -360,7 +366,7 @@ def _worker_log_lines(messages: Sequence[Mapping[str, Any]] | None) -> list[str]
     out of the terminal): every message, verbatim, after the process that printed it."""
     if not messages:
         return []
-    fence = "````"
+    fence = inert.fence_for(f"{m.get('source')} {m['text']}" for m in messages)
     lines = ["", "### Output of production's KV-A workers", "",
              f"{len(messages)} message{'s' if len(messages) != 1 else ''} printed by "
              f"production's KV-A worker processes and the fork server, and by its code the "
@@ -368,7 +374,7 @@ def _worker_log_lines(messages: Sequence[Mapping[str, Any]] | None) -> list[str]
              f"run.", "", fence + "text"]
     for message in messages:
         source = f"[{message['source']}] " if message.get("source") else ""
-        lines += (source + str(message["text"])).splitlines()
+        lines += inert.terminal(source + str(message["text"])).splitlines()
     return [*lines, fence]
 
 
@@ -380,9 +386,10 @@ def _plugin_lines(plugins: Mapping[str, Any] | None,
         return []
     env = plugins.get("vllm_plugins")
     lines = ["", "## Plugins", "",
-             f"Mode `{plugins.get('mode')}` (`VLLM_PLUGINS` "
-             f"{'unset' if env is None else repr(env)}); Omni platform "
-             f"`{plugins.get('platform')}` ({plugins.get('platform_source') or '-'}).", ""]
+             f"Mode {inert.code_span(plugins.get('mode'))} (`VLLM_PLUGINS` "
+             f"{'unset' if env is None else md_escape(repr(env))}); Omni platform "
+             f"{inert.code_span(plugins.get('platform'))} "
+             f"({md_escape(plugins.get('platform_source') or '-')}).", ""]
     lines += markdown_table(["group", "plugin", "distribution", "status", "re-pointed", "error"],
                     [[p["group"], p["name"], p["dist"], p["status"],
                       ", ".join(p["changed"]) or "-", p["error"]]

@@ -27,10 +27,12 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.adapters import run_env
+from pytest_kvconform.contract import inert
 from pytest_kvconform.contract.clauses import ROOT_CLAUSE
 from pytest_kvconform.contract.outcome_rule import ERROR_KIND_PROPERTY, harness_kind
 from pytest_kvconform.contract.outcomes import ErrorKind, bracketed
 from pytest_kvconform.contract.records import SEEDED_FAULT_PROPERTY, ResultRow
+from pytest_kvconform.session import failure_repr
 from pytest_kvconform.session.options import Options
 from pytest_kvconform.session.result_rows import prefix_crash, properties_from_id, result_row
 from pytest_kvconform.session.selection import SUITE_DIR, KvSelection
@@ -103,17 +105,23 @@ class KvResults:
         report = yield
         if not any(k == "kv_clause" for k, _ in item.user_properties):
             return report
+        self._classify(item, call, report)
+        failure_repr.make_inert(report)
+        return report
+
+    def _classify(self, item: pytest.Item, call: pytest.CallInfo[None],
+                  report: pytest.TestReport) -> None:
         self._mark_seeded_fault(item, report)
         if report.skipped and getattr(report, "wasxfail", None) is None:
             known_skip(report, self.selection.item_entries.get(item.nodeid, []))
             _skip_at_suite_id(report)
-            return report
+            return
         if call.excinfo is None:
-            return report
+            return
         if call.when == "call":
             # Anything in the test body, not only the check run_check wraps: a worker
             # that cannot start for the test is the harness too.
-            kind = dict(report.user_properties).get(ERROR_KIND_PROPERTY)
+            kind: Any = dict(report.user_properties).get(ERROR_KIND_PROPERTY)
             if kind is None and (found := harness_kind(call.excinfo.value)) is not None:
                 kind = found.value
                 # On the item too: the teardown report (JUnit XML's properties) copies it.
@@ -134,7 +142,6 @@ class KvResults:
             known_failure(report, entries, failure_problems(call.excinfo.value))
         if report.failed:
             self._depends_on_declaration(item, report)
-        return report
 
     def _depends_on_declaration(self, item: pytest.Item, report: pytest.TestReport) -> None:
         """A failure of a backend whose declaration (KV-L1) already failed in this process
@@ -228,9 +235,9 @@ class KvResults:
         tr = self.config.pluginmanager.get_plugin("terminalreporter")
         for line in filter(None, lines):
             if tr is not None:
-                tr.write_line(line)
+                tr.write_line(inert.terminal(line))
             else:  # interrupted before the terminal reporter was configured
-                print(line, file=sys.stdout, flush=True)
+                print(inert.terminal(line), file=sys.stdout, flush=True)
 
     # -- at the end -------------------------------------------------------------
 
@@ -239,7 +246,7 @@ class KvResults:
 
         if getattr(self.config, "workerinput", None) is not None:
             return
-        tr = terminalreporter
+        tr = _InertWriter(terminalreporter)
         if self.selection.usage_error:  # an xdist worker's; pytest prints its own like this
             tr.write_line(f"ERROR: {self.selection.usage_error}", red=True, bold=True)
             return
@@ -409,3 +416,17 @@ def _skip_at_suite_id(report: pytest.TestReport) -> None:
             report.longrepr = (report.nodeid.partition("::")[0], line, reason)
 
 
+
+
+class _InertWriter:
+    """The terminal reporter, writing each line of the run's summary inert: the lines name
+    backends, quote their errors and read the known-findings file."""
+
+    def __init__(self, terminalreporter: Any) -> None:
+        self._tr = terminalreporter
+
+    def section(self, title: str, **markup: Any) -> None:
+        self._tr.section(inert.terminal(title), **markup)
+
+    def write_line(self, line: str, **markup: Any) -> None:
+        self._tr.write_line(inert.terminal(line), **markup)

@@ -22,6 +22,7 @@ from pytest_kvconform.adapters.discovery import Discovery, DiscoveryError, disco
 from pytest_kvconform.adapters.omni_plugins import load_plugins
 from pytest_kvconform.checks.arguments import FIXTURE, expand
 from pytest_kvconform.contract import cases as cases_mod
+from pytest_kvconform.contract import inert
 from pytest_kvconform.contract.clauses import AXES, clause_from_test_name
 from pytest_kvconform.contract.outcomes import describe_error
 from pytest_kvconform.contract.records import BackendUnderTest, Case
@@ -128,7 +129,7 @@ class KvSelection:
                 self.discovery = discover(hook_results, origins=self.plugins,
                                           only=self.options.backends or None)
         except DiscoveryError as exc:
-            raise pytest.UsageError(f"kvconform: {exc}") from None
+            raise pytest.UsageError(inert.terminal(f"kvconform: {exc}")) from None
         self.discovery_seconds = time.monotonic() - started
         self._select_backends()
 
@@ -139,7 +140,8 @@ class KvSelection:
         try:
             return list(hook(config=self.config))
         except Exception as exc:
-            raise pytest.UsageError(_hook_failure(hook.get_hookimpls(), exc)) from None
+            raise pytest.UsageError(inert.terminal(_hook_failure(hook.get_hookimpls(), exc))
+                                    ) from None
 
     def _select_backends(self) -> None:
         self.all_backend_names = set(self.discovery.names) | set(self.discovery.left_out)

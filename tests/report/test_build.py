@@ -273,7 +273,7 @@ def test_markdown_shares_footnotes_and_escapes_pipes() -> None:
     ]
     md = rp.render_markdown(build(results)).splitlines()
     # Row by row, column by column: FLASH_ATTN's KV-L6 failure is numbered first.
-    assert "[^1]: fail: a | b second line" in md
+    assert "[^1]: fail: a \\| b second line" in md
     assert md.count("[^2]: skip: no CUDA") == 1
     assert sum("skip 1/1[^2]" in line for line in md) == 2
 
