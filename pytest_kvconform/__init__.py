@@ -8,14 +8,15 @@ __version__ = "0.1.0"
 
 from pytest_kvconform.contract import CONTRACT_VERSION  # the one definition
 
-__all__ = ["CONTRACT_VERSION", "CheckResult", "__version__", "check_backend"]
+__all__ = ["CONTRACT_VERSION", "CheckResult", "CheckResults", "__version__", "check_backend"]
 
 if TYPE_CHECKING:
-    from pytest_kvconform.api import CheckResult, check_backend
+    from pytest_kvconform.api import CheckResult, CheckResults, check_backend
 
 # The plain Python API, imported on first use: importing the package (as pytest does for
 # every run, --kv-conformance or not) stays free of torch, vLLM and the checks.
-_LAZY = {"check_backend": "pytest_kvconform.api", "CheckResult": "pytest_kvconform.api"}
+_LAZY = {"check_backend": "pytest_kvconform.api", "CheckResult": "pytest_kvconform.api",
+         "CheckResults": "pytest_kvconform.api"}
 
 
 def __getattr__(name: str) -> Any:

@@ -29,6 +29,7 @@ COLLECTED = ROOT / "tests" / "data" / "collected_ids.txt"
 def test_the_package_exports_it_lazily() -> None:
     assert pytest_kvconform.check_backend is api.check_backend
     assert pytest_kvconform.CheckResult is api.CheckResult
+    assert pytest_kvconform.CheckResults is api.CheckResults
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         pytest_kvconform.nope  # noqa: B018
 
@@ -55,6 +56,18 @@ def test_an_unimportable_backend_is_a_backend_skip() -> None:
         ("KV-L1", "skipped", SkipKind.BACKEND), ("KV-L7", "skipped", SkipKind.BACKEND)]
     assert "ModuleNotFoundError: No module named 'no_such_pkg'" in results[0].message
     assert not results[0].ok
+    # Nothing ran, nothing qualified: as a run's verdict says it.
+    assert not results.qualified
+    assert results.not_checked is not None
+    assert results.not_checked.startswith(
+        "no_such_pkg.backends:Missing: not checked (every clause skipped, 2 results; backend "
+        "skip: backend no_such_pkg.backends:Missing is not importable: ModuleNotFoundError")
+
+
+def test_a_backend_checked_and_passing_qualifies() -> None:
+    results = api.check_backend(Good, clauses=["KV-L1"], device="cpu")
+    assert isinstance(results, api.CheckResults) and isinstance(results, list)
+    assert results.qualified and results.not_checked is None
 
 
 @pytest.mark.parametrize(("raised", "status", "kind"), [

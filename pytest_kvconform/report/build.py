@@ -82,6 +82,7 @@ from pytest_kvconform.report.schema import (
     validate_report,
 )
 from pytest_kvconform.report.verdict import (
+    EXIT_NOT_CHECKED,
     EXIT_STACK_REGRESSED,
     FORGIVEN_SKIP_KINDS,
     STATUSES,
@@ -93,7 +94,9 @@ from pytest_kvconform.report.verdict import (
     interruption_of,
     judge,
     left_out,
+    not_checked,
     now_iso,
+    only_not_checked,
     ran_count,
     run_record,
     scope_of,
@@ -111,6 +114,7 @@ from pytest_kvconform.workers.devices import nvidia_smi
 __all__ = [
     "CLAUSE_RE",
     "ERROR_KINDS",
+    "EXIT_NOT_CHECKED",
     "EXIT_STACK_REGRESSED",
     "FORGIVEN_SKIP_KINDS",
     "MATRIX_SCHEMA",
@@ -136,6 +140,8 @@ __all__ = [
     "judge",
     "left_out",
     "load_report",
+    "not_checked",
+    "only_not_checked",
     "lock_path",
     "markdown_path",
     "markdown_run_id",

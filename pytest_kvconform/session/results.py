@@ -308,7 +308,7 @@ class KvResults:
         self.verdict_line = (f" for {', '.join(scope)}" if scope else "") + ": " + \
             report_mod.verdict_text(verdict, uncovered, selection, run, results, startup)
         self.stack_lines = self._stack_lines(results, scope)
-        failed = self._exit_status(verdict, scope, results, bool(startup))
+        failed = self._exit_status(verdict, scope, results, startup, selection, run)
         if self.options.report is None and not self.report_wanted:
             return failed
         environment = report_mod.environment_info(self.options.raw, seed=None)
@@ -341,8 +341,11 @@ class KvResults:
         return failed
 
     def _exit_status(self, verdict: str, scope: list[str] | None,
-                     results: Sequence[dict[str, Any]], startup: bool) -> int | None:
-        """1 for a plugin that stops production, or strict and not qualified; in a
+                     results: Sequence[dict[str, Any]], startup: Sequence[dict[str, Any]],
+                     selection: dict[str, Any], run: dict[str, Any]) -> int | None:
+        """1 for a plugin that stops production, or strict and not qualified;
+        :data:`~pytest_kvconform.report.verdict.EXIT_NOT_CHECKED` when a backend was not
+        checked and nothing else keeps the run from qualifying, strict or not; in a
         backend-scoped run, 1 when its backends fail, else
         :data:`~pytest_kvconform.report.verdict.EXIT_STACK_REGRESSED` when only the stack
         shows something new, else 0 (unless the repository's own tests failed)."""
@@ -351,6 +354,9 @@ class KvResults:
         strict = self.options.strict
         if startup:
             return pytest.ExitCode.TESTS_FAILED
+        if not self.other_failures and report_mod.only_not_checked(results, strict, selection,
+                                                                   run, startup):
+            return report_mod.EXIT_NOT_CHECKED
         if scope is None or verdict == "interrupted":
             return pytest.ExitCode.TESTS_FAILED if strict and verdict != "qualified" else None
         if verdict == "not qualified" or (strict and verdict != "qualified"):

@@ -20,15 +20,25 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvconform.report.verdict import EXIT_STACK_REGRESSED
+from pytest_kvconform.report.verdict import EXIT_NOT_CHECKED, EXIT_STACK_REGRESSED
 from tests.backend_repo_files import SDPA_BACKENDS, pyproject
 from tests.conftest import needs_omni
 from tests.wheel_env import REPO, WheelEnv, run
 
+RAISES_AT_IMPORT = """
+raise RuntimeError("this backend's module refuses to import")
+
+
+class Backend:
+    pass
+"""
 BACKEND_REPO = {
     "pyproject.toml": pyproject("my-backends") + textwrap.dedent('''
         [project.entry-points."pytest_kvconform.backends"]
         MY_EP_ATTN = "my_backends.attention:EntryPointBackend"
+        GHOST = "no_such_pkg_kvc.mod:Backend"
+        GHOST_ATTR = "my_backends.attention:NoSuchBackend"
+        GHOST_RAISES = "my_backends.raises:Backend"
 
         [tool.setuptools]
         packages = ["my_backends"]
@@ -40,6 +50,7 @@ BACKEND_REPO = {
     '''),
     "my_backends/__init__.py": "",
     "my_backends/attention.py": SDPA_BACKENDS,
+    "my_backends/raises.py": RAISES_AT_IMPORT,
     "conftest.py": '''
         import os
 
@@ -210,6 +221,40 @@ def test_a_stack_regression_is_reported_as_the_stacks(backend_repo: tuple[Path, 
     assert ("kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 0 known finding results "
             "listed, 1 regression no known finding describes: KV-S1 "
             "test_kv_s1[BLNHC-bf16_h8]") in out, out[-6000:]
+
+
+@needs_omni
+def test_a_backend_that_never_imports_is_not_checked(backend_repo: tuple[Path, Path]) -> None:
+    """Nothing ran, nothing qualified, without --kv-strict: an entry point to a missing
+    module, to a missing attribute, and to a module that raises at import."""
+    python, repo = backend_repo
+    ghosts = {"GHOST": "ModuleNotFoundError: No module named 'no_such_pkg_kvc'",
+              "GHOST_ATTR": "AttributeError",
+              "GHOST_RAISES": "RuntimeError: this backend's module refuses to import"}
+    code, out = _suite(python, repo, *(a for name in ghosts for a in ("--kv-backend", name)),
+                       "--kv-report", "r.json")
+    assert code == EXIT_NOT_CHECKED, out[-6000:]
+    verdict = next(line for line in out.splitlines() if line.startswith("kvconform: verdict"))
+    assert verdict.startswith("kvconform: verdict for GHOST, GHOST_ATTR, GHOST_RAISES: not "
+                              "qualified (GHOST: not checked (every clause skipped, "), verdict
+    for name, why in ghosts.items():
+        assert f"{name}: not checked (every clause skipped, " in verdict, verdict
+        assert f"backend {name} is not importable: {why}" in verdict, verdict
+    assert json.loads((repo / "r.json").read_text())["verdict"] == "not qualified"
+
+
+@needs_omni
+def test_a_registry_member_that_does_not_import_here_is_not_checked(
+        backend_repo: tuple[Path, Path]) -> None:
+    """SAGE_ATTN_3 on a CPU host: the shipped known finding declares it unimportable (so
+    the strict whole deployment still qualifies), but a run checking it alone checked
+    nothing of it."""
+    python, repo = backend_repo
+    code, out = _suite(python, repo, "--kv-backend", "SAGE_ATTN_3", "--kv-strict")
+    assert code == EXIT_NOT_CHECKED, out[-6000:]
+    assert ("kvconform: verdict for SAGE_ATTN_3: not qualified (SAGE_ATTN_3: not checked "
+            "(every clause skipped, ") in out, out[-6000:]
+    assert "backend skip, declared: backend SAGE_ATTN_3 is not importable: " in out
 
 
 @needs_omni
