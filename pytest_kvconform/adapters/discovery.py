@@ -109,6 +109,24 @@ def registry_backends(names: Collection[str] | None = None) -> tuple[
     return found, None
 
 
+def in_tree_name(member: str) -> str | None:
+    """The name a registry member's in-tree class answers to (its ``get_name()``), read
+    from the class the enum names by default, overrides aside: production's own name for
+    the member (``TORCH_SDPA``'s is ``SDPA``).  None where vllm-omni has no such member, or
+    its in-tree class does not import here or names itself no string."""
+    if not compat.omni_installed():
+        return None
+    try:
+        from vllm_omni.diffusion.attention.backends.registry import (
+            DiffusionAttentionBackendEnum,
+        )
+
+        name = import_object(str(DiffusionAttentionBackendEnum[member].value)).get_name()
+    except Exception:  # no such member, or its in-tree class does not import here
+        return None
+    return name if isinstance(name, str) else None
+
+
 def _left_out(name: str, only: Collection[str] | None) -> bool:
     """Whether a run naming ``only`` leaves this backend out (and does not import it)."""
     return only is not None and name not in only

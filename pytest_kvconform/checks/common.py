@@ -175,8 +175,15 @@ def declared_need(clause: str, backend: BackendUnderTest) -> bool:
     return value
 
 
-def call_declaration(clause: str, backend: str, method: Any) -> Any:
-    """``method()`` (a backend's layout declaration) bounded by the per-test budget.
+# What each declaration a backend makes is, for the messages that name a call into it.
+_DECLARATIONS = {"indexes_kv_by_block_stride": "the backend's layout declaration",
+                 "get_name": "the name the backend declares"}
+
+
+def call_declaration(clause: str, backend: str, method: Any,
+                     call: str = "indexes_kv_by_block_stride") -> Any:
+    """``method()`` (a backend's declaration: its layout need, or its name, ``call``)
+    bounded by the per-test budget.
 
     A declaration that blocks becomes a timeout error naming the clause, the
     backend and the call, not a hung run.  Once it has timed out, every later test
@@ -184,10 +191,10 @@ def call_declaration(clause: str, backend: str, method: Any) -> Any:
     call still has not returned (``budget.call``'s ``key``): one budget per hung
     backend, not one per test.
     """
+    what = _DECLARATIONS.get(call, "the backend's declaration")
     try:
-        return budget.call(method, f"{backend}.indexes_kv_by_block_stride() (the backend's "
-                           "layout declaration)", key=("declaration", backend, method),
-                           label=clause)
+        return budget.call(method, f"{backend}.{call}() ({what})",
+                           key=("declaration", backend, method), label=clause)
     except budget.WaitTimeout as exc:
         raise budget.WaitTimeout(f"{clause} [backend={backend}]: {exc}") from None
 

@@ -561,7 +561,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     _layout._CALLS = _CALLS
 '''
-KV_L1 = ("-k", "kv_l1", "--kv-backend", "GOOD")
+KV_L1 = ("-k", "kv_l1 and not name", "--kv-backend", "GOOD")
 
 
 def _summary_printed(result: pytest.RunResult) -> None:
@@ -578,13 +578,14 @@ def test_k_selected_strict_run_is_partial(pytester: pytest.Pytester, kv_run: Any
     result.assert_outcomes(passed=1)
     _summary_printed(result)
     # Scoped to GOOD (--kv-backend): the backends left out do not make it partial, -k does.
-    result.stdout.fnmatch_lines(["*kvconform: verdict for GOOD: partial (left out: -k 'kv_l1' "
-                                 "deselected * of * suite tests)"])
+    result.stdout.fnmatch_lines(["*kvconform: verdict for GOOD: partial (left out: -k 'kv_l1 "
+                                 "and not name' deselected * of * suite tests)"])
     data = json.loads((pytester.path / "out" / "r.json").read_text())
     rp.validate_report(data)
     assert data["verdict"] == "partial"
     sel = data["selection"]
-    assert (sel["keyword"], sel["backends"], sel["selected"]) == ("kv_l1", ["GOOD"], 1)
+    assert (sel["keyword"], sel["backends"], sel["selected"]) == ("kv_l1 and not name", ["GOOD"],
+                                                                  1)
     assert "OTHER" in sel["excluded_backends"]
     assert sel["collected"] > 1 and sel["deselected"] == sel["collected"] - 1
     assert data["run"]["interruption"] is None and data["run"]["id"]
