@@ -38,7 +38,7 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,7 @@ from pytest_kvconform.report.verdict import (
     VERDICTS,
     bites,
     compute_verdict,
+    describe_altered,
     describe_startup_failure,
     describe_uncovered,
     interruption_of,
@@ -131,6 +132,7 @@ __all__ = [
     "check_pair",
     "clause_sort_key",
     "compute_verdict",
+    "describe_altered",
     "describe_startup_failure",
     "describe_uncovered",
     "environment_info",
@@ -191,8 +193,12 @@ def build_report(
     strict: bool,
     selection: Mapping[str, Any] | None = None,
     run: Mapping[str, Any] | None = None,
+    altered: Sequence[str] = (),
 ) -> dict[str, Any]:
     """A validated report; results sorted by nodeid so ``-n 2`` and ``-n 0`` agree.
+
+    ``altered``: what of the suite's own code changed after start-up (``integrity``;
+    recorded, and the verdict is ``not qualified``).
 
     ``backends`` are :class:`~pytest_kvconform.contract.records.BackendUnderTest` records or
     dicts with the schema's keys.  ``options`` replaces ``environment["options"]``
@@ -207,7 +213,7 @@ def build_report(
     run_rec = jsonable(dict(run)) if run is not None else run_record()
     sel = jsonable(dict(selection)) if selection is not None else None
     startup = startup_failures(env.get("plugins"))
-    verdict, uncovered = judge(rows, strict, sel, run_rec, startup)
+    verdict, uncovered = judge(rows, strict, sel, run_rec, startup, altered)
     report = {
         "schema": SCHEMA,
         "contract": CONTRACT_VERSION,
@@ -222,6 +228,8 @@ def build_report(
         "startup_failures": startup,
         "stack": stack_record(rows),
     }
+    if altered:
+        report["integrity"] = list(altered)
     validate_report(report)
     return report
 

@@ -244,6 +244,11 @@ def _completeness_lines(report: Mapping[str, Any]) -> list[str]:
     """Why a verdict is not qualified for all the results say, partial or interrupted, and
     the harness errors, as Markdown lines."""
     lines = []
+    altered = report.get("integrity") or []
+    if altered:
+        lines += ["", "The judge was altered after start-up: the suite's own code changed while "
+                  "a backend's code ran in the judging process, so nothing here is judged:", ""]
+        lines += [f"- {md_escape(change)}" for change in altered]
     interruption = interruption_of(report["run"], report["selection"], report["results"])
     if interruption:
         lines += ["", f"Interrupted: {md_escape(interruption)}."]

@@ -46,6 +46,10 @@ reported as depending on it
 first; :mod:`~pytest_kvconform.report.result_notes` words what speaks against
 qualification.
 
+A run whose judge was altered (``integrity``: the suite's own checks, oracle or verdict
+code replaced after start-up, by a backend's code that ran in the judging process) is
+``not qualified`` whatever the results, and says what changed.
+
 A deployment that production could not start is ``not qualified`` whatever the
 results (:func:`startup_failures`): a general plugin whose hook raises stops every
 production process at start-up, since vLLM's and vllm-omni's loaders call the hooks
@@ -187,6 +191,14 @@ _FAILED = ("failed", "error")
 
 # The keys of one ``startup_failures`` entry, in the order they are written.
 STARTUP_FAILURE_KEYS = ("plugin", "group", "distribution", "error")
+
+
+def describe_altered(altered: Sequence[str], limit: int = 5) -> str:
+    """``the judge was altered after start-up (...): X replaced by y; ... and N more``."""
+    shown = "; ".join(altered[:limit])
+    more = f"; and {len(altered) - limit} more" if len(altered) > limit else ""
+    return ("the judge was altered after start-up, so nothing here is judged (a backend's "
+            f"code ran in the judging process): {shown}{more}")
 
 
 def startup_failures(plugins: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -354,7 +366,8 @@ def not_checked(results: Iterable[Mapping[str, Any]], *,
 
 def only_not_checked(results: Sequence[Mapping[str, Any]], strict: bool,
                      selection: Mapping[str, Any] | None, run: Mapping[str, Any],
-                     startup: Sequence[Mapping[str, Any]] = ()) -> bool:
+                     startup: Sequence[Mapping[str, Any]] = (),
+                     altered: Sequence[str] = ()) -> bool:
     """Whether the verdict is ``not qualified`` for backends that were not checked and for
     nothing else (no failure, error, xpass or unforgiven skip of another backend or of
     the stack; no start-up failure, no interruption; in strict mode, nothing left out of
@@ -362,7 +375,7 @@ def only_not_checked(results: Sequence[Mapping[str, Any]], strict: bool,
     scope = scope_of(selection)
     judged = in_scope(results, scope)
     unchecked = {e["backend"] for e in not_checked(judged, declared_ok=scope is None)}
-    if not unchecked or startup or interruption_of(run, selection, results):
+    if not unchecked or startup or altered or interruption_of(run, selection, results):
         return False
     if strict and left_out(_scoped_selection(selection)):
         return False
@@ -379,20 +392,22 @@ def _scoped_selection(selection: Mapping[str, Any] | None) -> Mapping[str, Any] 
 def judge(
     results: Sequence[Mapping[str, Any]], strict: bool, selection: Mapping[str, Any] | None,
     run: Mapping[str, Any], startup: Sequence[Mapping[str, Any]] = (),
+    altered: Sequence[str] = (),
 ) -> tuple[str, list[dict[str, Any]]]:
     """The report's verdict and uncovered entries: results, start-up, completeness,
     interruption; for a backend-scoped run, of its backends' own results (:func:`in_scope`).
 
     ``interrupted`` > ``not qualified`` > ``partial`` > ``qualified``; ``startup``
-    (:func:`startup_failures`) makes any finished run ``not qualified``, and so does a
-    backend that was not checked (:func:`not_checked`).
+    (:func:`startup_failures`) makes any finished run ``not qualified``, and so do a
+    judge ``altered`` after start-up and a backend that was not checked
+    (:func:`not_checked`).
     """
     scope = scope_of(selection)
     judged = in_scope(results, scope)
     verdict, uncovered = compute_verdict(judged, strict)
     if interruption_of(run, selection, results):
         verdict = "interrupted"
-    elif startup or not_checked(judged, declared_ok=scope is None):
+    elif startup or altered or not_checked(judged, declared_ok=scope is None):
         verdict = "not qualified"
     elif scope is not None and not judged:  # nothing of the named backends' own was checked
         verdict = "partial"
@@ -468,10 +483,13 @@ def bites(results: Sequence[Mapping[str, Any]], backend: str) -> list[str]:
 def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
                  selection: Mapping[str, Any] | None, run: Mapping[str, Any],
                  results: Sequence[Mapping[str, Any]],
-                 startup: Sequence[Mapping[str, Any]] = ()) -> str:
-    """One line: the verdict and what it rests on (what production could not start, what
-    was left out or unchecked, why it stopped)."""
+                 startup: Sequence[Mapping[str, Any]] = (),
+                 altered: Sequence[str] = ()) -> str:
+    """One line: the verdict and what it rests on (a judge altered after start-up, what
+    production could not start, what was left out or unchecked, why it stopped)."""
     notes = []
+    if altered:
+        notes.append(describe_altered(altered))
     if verdict == "interrupted":
         notes.append(f"interrupted: {interruption_of(run, selection, results)}")
     if startup:

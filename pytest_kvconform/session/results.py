@@ -303,12 +303,14 @@ class KvResults:
             interruption=self._interruption(session, exitstatus))
         plugins = self.selection.plugins_record()
         startup = report_mod.startup_failures(plugins)
-        verdict, uncovered = report_mod.judge(results, strict, selection, run, startup)
+        altered = self.selection.judge_altered()  # before the verdict: the code that judges
+        verdict, uncovered = report_mod.judge(results, strict, selection, run, startup, altered)
         scope = report_mod.scope_of(selection)
         self.verdict_line = (f" for {', '.join(scope)}" if scope else "") + ": " + \
-            report_mod.verdict_text(verdict, uncovered, selection, run, results, startup)
+            report_mod.verdict_text(verdict, uncovered, selection, run, results, startup,
+                                    altered)
         self.stack_lines = self._stack_lines(results, scope)
-        failed = self._exit_status(verdict, scope, results, startup, selection, run)
+        failed = self._exit_status(verdict, scope, results, startup, selection, run, altered)
         if self.options.report is None and not self.report_wanted:
             return failed
         environment = report_mod.environment_info(self.options.raw, seed=None)
@@ -325,7 +327,8 @@ class KvResults:
             environment[WORKER_LOG_KEY] = worker_log
         self.built_report = report_mod.build_report(
             environment=environment, backends=self.selection.backend_dicts(), results=results,
-            options=self.options.raw, strict=strict, selection=selection, run=run)
+            options=self.options.raw, strict=strict, selection=selection, run=run,
+            altered=altered)
         if self.options.report is None:
             return failed
         try:
@@ -342,8 +345,10 @@ class KvResults:
 
     def _exit_status(self, verdict: str, scope: list[str] | None,
                      results: Sequence[dict[str, Any]], startup: Sequence[dict[str, Any]],
-                     selection: dict[str, Any], run: dict[str, Any]) -> int | None:
-        """1 for a plugin that stops production, or strict and not qualified;
+                     selection: dict[str, Any], run: dict[str, Any],
+                     altered: Sequence[str]) -> int | None:
+        """1 for a judge altered after start-up, a plugin that stops production, or strict
+        and not qualified;
         :data:`~pytest_kvconform.report.verdict.EXIT_NOT_CHECKED` when a backend was not
         checked and nothing else keeps the run from qualifying, strict or not; in a
         backend-scoped run, 1 when its backends fail, else
@@ -352,7 +357,7 @@ class KvResults:
         from pytest_kvconform.report import build as report_mod
 
         strict = self.options.strict
-        if startup:
+        if startup or (altered and verdict != "interrupted"):
             return pytest.ExitCode.TESTS_FAILED
         if not self.other_failures and report_mod.only_not_checked(results, strict, selection,
                                                                    run, startup):
