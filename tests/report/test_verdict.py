@@ -119,6 +119,28 @@ def test_a_backend_none_of_whose_results_ran_is_not_checked_never_qualified(
     assert not rp.only_not_checked(mixed["results"], strict, mixed["selection"], mixed["run"])
 
 
+def test_an_altered_judge_qualifies_nothing_and_says_what_changed() -> None:
+    """Whatever the results: not qualified, the change named in the line, the Markdown and
+    the report (which validation holds the verdict to)."""
+    changed = "pytest_kvconform.suite.check_call.run_check replaced by evil.lenient"
+    results = [row("s.py::test_kv_l1[GOOD]")]
+    report = rp.build_report(environment=ENVIRONMENT, backends=[backend_record()],
+                             results=results, options={}, strict=True,
+                             selection=build(results)["selection"], run=rp.run_record(),
+                             altered=[changed])
+    assert (report["verdict"], report["integrity"]) == ("not qualified", [changed])
+    text = rp.verdict_text(report["verdict"], report["uncovered"], report["selection"],
+                           report["run"], report["results"], altered=report["integrity"])
+    assert text == ("not qualified (the judge was altered after start-up, so nothing here is "
+                    "judged (a backend's code ran in the judging process): " + changed + ")")
+    assert f"- {changed}" in rp.render_markdown(report)
+    hidden = copy.deepcopy(report)
+    del hidden["integrity"]  # a hand edit hiding it: the verdict no longer follows
+    with pytest.raises(rp.ReportError, match=r"^\$\.verdict: 'not qualified' but the results "
+                                             r"give 'qualified'"):
+        rp.validate_report(hidden)
+
+
 def test_a_selection_holding_nothing_applicable_checked_nothing_and_claims_nothing() -> None:
     """-k that leaves a backend only not-applicable skips: partial, not 'not checked'."""
     na = row("s.py::test_kv_l6[GOOD]", "KV-L6", "skipped", skip_kind="not-applicable",
