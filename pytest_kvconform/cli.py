@@ -1,4 +1,5 @@
-"""``kvconform``: show, validate, merge and diff qualification reports (stdlib only),
+"""``kvconform``: show, validate, merge and diff qualification reports, render their pages
+(``html``, and ``--html`` of ``merge`` and ``diff``),
 validate expected-failures files, run the suite (``run``), the release matrix (``matrix``),
 the GPU checks (``gpu-check``, which imports its layer when called) and the suite's
 self-test on the installed stack (``selftest``, which imports it when called).
@@ -14,6 +15,7 @@ it is about.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +30,7 @@ from pytest_kvconform.report.build import (
     check_pair,
     is_matrix,
     load_report,
+    page_path,
     render_markdown,
     render_matrix_markdown,
     render_merged_markdown,
@@ -148,13 +151,73 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             (a, reports_a), (b, reports_b) = _load_matrix(args.a), _load_matrix(args.b)
             found = diff_matrices(a, b, reports_a, reports_b)
             _out(render_matrix_diff(found, args.a, args.b))
-            return EXIT_GATE if found.new_failures else EXIT_OK
+            code = _diff_page(args, found)
+            return code if code != EXIT_OK else EXIT_GATE if found.new_failures else EXIT_OK
         a, b = _load_valid(args.a), _load_valid(args.b)
     except ReportError as exc:
         return _error(exc.message)
     single = diff_reports(a, b)
     _out(render_diff(single, args.a, a, args.b, b))
-    return EXIT_GATE if single.new_failures else EXIT_OK
+    code = _diff_page(args, single, a, b)
+    return code if code != EXIT_OK else EXIT_GATE if single.new_failures else EXIT_OK
+
+
+def _relative_page(report: str, out: Path) -> str | None:
+    """The page of ``report`` (next to it), as a link from a page written to ``out``; None
+    when it has none."""
+    page = page_path(report)
+    return os.path.relpath(page, out.resolve().parent) if page.is_file() else None
+
+
+def _write_page(out: Path, text: str) -> int:
+    from pytest_kvconform.report.html import write_html
+
+    try:
+        write_html(out, text)
+    except OSError as exc:
+        return _error(f"{out}: cannot write: {exc.strerror or exc}")
+    print(f"kvconform: page written to {out}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _diff_page(args: argparse.Namespace, found: Any, a: dict[str, Any] | None = None,
+               b: dict[str, Any] | None = None) -> int:
+    """``--html``: the diff's page (each changed result linking into B's page, if B has one)."""
+    if args.html is None:
+        return EXIT_OK
+    from pytest_kvconform.report.html import render_diff_html
+
+    out = Path(args.html)
+    b_page = _relative_page(args.b, out) if b is not None else None
+    return _write_page(out, render_diff_html(found, args.a, args.b, a=a, b=b, b_page=b_page))
+
+
+def _cmd_html(args: argparse.Namespace) -> int:
+    """A report's page, or a matrix's (its folder or ``matrix.json``) with each leg's."""
+    from pytest_kvconform.report.html import render_matrix_html, render_report_html, write_html
+
+    source = Path(args.report)
+    if source.is_dir():
+        source = source / "matrix.json"
+    try:
+        if is_matrix(load_report(source)):
+            matrix, reports = _load_matrix(str(source))
+            out = Path(args.output) if args.output else page_path(source)
+            for leg in matrix["legs"]:
+                if leg["name"] in reports:
+                    leg_json = source.parent / leg["report"]
+                    try:
+                        write_html(page_path(leg_json), render_report_html(
+                            reports[leg["name"]], leg_json.name))
+                    except OSError as exc:
+                        return _error(f"{page_path(leg_json)}: cannot write: "
+                                      f"{exc.strerror or exc}")
+            return _write_page(out, render_matrix_html(matrix, reports))
+        report = _load_valid(str(source))
+    except ReportError as exc:
+        return _error(exc.message)
+    out = Path(args.output) if args.output else page_path(source)
+    return _write_page(out, render_report_html(report, source.name))
 
 
 def _cmd_matrix(args: argparse.Namespace) -> int:
@@ -188,6 +251,15 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         text = inert.terminal(render_merged_markdown(named))
     except ReportError as exc:
         return _error(exc.message)
+    if args.html is not None:
+        from pytest_kvconform.report.html import render_merged_html
+
+        out = Path(args.html)
+        pages = {path: page for path in args.reports
+                 if (page := _relative_page(path, out)) is not None}
+        code = _write_page(out, render_merged_html(named, pages))
+        if code != EXIT_OK:
+            return code
     if args.output is None:
         _out(text)
         return EXIT_OK
@@ -340,13 +412,24 @@ def build_parser() -> argparse.ArgumentParser:
     merge = sub.add_parser("merge", help="merge reports from several hosts into one matrix")
     merge.add_argument("reports", nargs="+", metavar="REPORT")
     merge.add_argument("-o", "--output", help="Markdown file to write (default: stdout)")
+    merge.add_argument("--html", metavar="PAGE", help="also write the merged matrix's page "
+                       "(each host's rows linking to its report's page, where it has one)")
     merge.set_defaults(func=_cmd_merge)
 
     diff = sub.add_parser("diff", help="what changed from report A to report B (two reports, or "
                           "two combined matrix reports); exit 1 on a new failure")
     diff.add_argument("a", metavar="A")
     diff.add_argument("b", metavar="B")
+    diff.add_argument("--html", metavar="PAGE", help="also write the diff's page (each changed "
+                      "result linking into B's page, where B has one)")
     diff.set_defaults(func=_cmd_diff)
+
+    html = sub.add_parser("html", help="write the page of a report, or of a release matrix (its "
+                          "folder or matrix.json: the matrix's page and each leg's)")
+    html.add_argument("report", metavar="REPORT|MATRIX|DIR")
+    html.add_argument("-o", "--output", metavar="PAGE", help="where to write the page "
+                      "(default: next to the JSON, .html)")
+    html.set_defaults(func=_cmd_html)
 
     matrix = sub.add_parser("matrix", help="the strict suite in every environment of tox.ini's "
                             "matrix label, one report per leg and a combined one; other "

@@ -258,14 +258,17 @@ def kv_device(request: pytest.FixtureRequest) -> str:
 def kv_control_plane(request: pytest.FixtureRequest, kv_device: str) -> Any:
     """Factory: ``kv_control_plane(backend_or_need, case, world_size=None)``.
 
-    Runs the production control plane for a backend's declared need (or an
-    explicit bool) and returns a ``ControlPlane``: ``.rank_configs`` (rank-local
+    Runs the production control plane for a backend's declared need (a class, a
+    registry name, or a ``BackendUnderTest``, as ``kv_deployment`` takes it) or an
+    explicit bool, and returns a ``ControlPlane``: ``.rank_configs`` (rank-local
     ``KVCacheConfig``s), ``.scheduler_config``, ``.pinned`` (the layout name).
     """
+    from pytest_kvconform.api import backend_under_test
     from pytest_kvconform.checks.adoption import fixture_control_plane
 
     def build(source: Any, case: Any, world_size: int | None = None) -> Any:
-        return fixture_control_plane(source, case, world_size=world_size, device=kv_device)
+        who = source if isinstance(source, bool) else backend_under_test(source)
+        return fixture_control_plane(who, case, world_size=world_size, device=kv_device)
 
     return build
 

@@ -25,6 +25,11 @@ from tests.wheel_env import make as make_wheel_env
 if not devices.visible_gpu_ids(os.environ, devices.count_gpus_without_cuda_init):
     run_env.apply(run_env.CPU_DEFAULTS)
 
+# A run appends its verdict to the CI job's summary where $GITHUB_STEP_SUMMARY names one; the
+# runs these tests make (inline and in subprocesses) are not the job's, so none sees it (the
+# summary's own tests set it: tests/report/test_job_summary.py).
+os.environ.pop("GITHUB_STEP_SUMMARY", None)
+
 HAVE_OMNI = importlib.util.find_spec("vllm_omni") is not None
 needs_omni = pytest.mark.skipif(not HAVE_OMNI, reason="vllm-omni not installed")
 

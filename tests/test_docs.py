@@ -239,6 +239,37 @@ def test_the_documented_check_backend_signature_is_the_real_one() -> None:
     assert defaults == real_defaults
 
 
+def _clause_ids(phrase: str) -> set[str]:
+    """The clause ids a phrase names, ranges (``KV-A1..A6``) expanded."""
+    ids = set()
+    for family, first, last in re.findall(r"KV-([A-Z])(\d+)(?:\.\.[A-Z]?(\d+))?", phrase):
+        ids.update(f"KV-{family}{n}" for n in range(int(first), int(last or first) + 1))
+    return ids
+
+
+def test_the_clauses_said_to_start_workers_are_the_tables() -> None:
+    from pytest_kvconform.contract import clauses
+
+    page = text(REPO / "docs" / "backend-authors.md")
+    (started,) = re.findall(r"The clauses that stand up production's engine, (.*?), start "
+                            r"worker processes", page, re.S)
+    (skipped,) = re.findall(r"To skip the workers, pass `clauses=` without (.*?)\.(?:\s|$)",
+                            page, re.S)
+    real = {row.id for row in clauses.CLAUSES if any(c.needs_workers for c in row.checks)}
+    assert _clause_ids(started) == real
+    assert _clause_ids(skipped) == real
+
+
+def test_the_environment_check_backend_sets_is_documented() -> None:
+    from pytest_kvconform.adapters import run_env
+
+    page = text(REPO / "docs" / "backend-authors.md")
+    (bullet,) = [b for b in page.split("\n- ") if b.startswith("Importing `pytest_kvconform`")]
+    documented = dict(re.findall(r"`([A-Z_]+)=([^`]*)`", bullet))
+    assert documented == {**run_env.DEFAULTS, **run_env.CPU_DEFAULTS}
+    assert "`VLLM_PLUGINS` to the empty string" in " ".join(bullet.split())
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 
@@ -254,6 +285,30 @@ def test_every_documented_kvconform_command_exists() -> None:
     unknown = sorted(f"{page}: kvconform {cmd}" for cmd, page in documented
                      if cmd not in commands)
     assert not unknown, unknown
+
+
+def test_every_option_of_every_kvconform_command_is_documented() -> None:
+    """Each subcommand's flags (short forms too) and the positional defaults a reader relies
+    on are in a page's code text."""
+    import argparse
+
+    from pytest_kvconform.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if a.dest == "command"]
+    documented = "\n".join(code_text(text(page)) for page in PAGES)
+    missing = []
+    for name, parser in sub.choices.items():  # type: ignore[union-attr]
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            for option in action.option_strings:
+                if not re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", documented):
+                    missing.append(f"kvconform {name} {option}")
+            if not action.option_strings and isinstance(action.default, str) \
+                    and f"./{action.default}" not in documented:  # an output folder
+                missing.append(f"kvconform {name}: {action.metavar}'s default "
+                               f"./{action.default}")
+    assert not missing, missing
 
 
 # ----------------------------------------------------------------------------- versions

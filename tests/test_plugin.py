@@ -208,3 +208,30 @@ def test_seeded_worker_fault_is_announced_and_refused_in_strict_mode(
     result = kv_run("--collect-only", "-q")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*KVCONFORM_WORKER_FAULT='typo' is not a known worker fault*"])
+
+
+@needs_omni
+def test_kv_control_plane_takes_a_backend_class(pytester: pytest.Pytester, kv_run) -> None:
+    """The fixture takes a backend class, as ``kv_deployment`` does and the backend authors'
+    page says, and the package exports the ``Case`` record it takes."""
+    pytester.makepyfile(test_mine='''
+        from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
+
+        from pytest_kvconform import Case
+
+
+        class MyBackend(SDPABackend):
+            supports_paged_kv = True
+
+            @classmethod
+            def get_name(cls):
+                return "MY_ATTN"
+
+
+        def test_the_control_plane_of_a_class(kv_control_plane):
+            plane = kv_control_plane(MyBackend, Case(id="mine", file="<my tests>"))
+            assert plane.pinned == "LBNHC"
+            assert [config.kv_cache_layout for config in plane.rank_configs] == ["LBNHC"]
+    ''')
+    result = kv_run("test_mine.py", "-k", "the_control_plane_of_a_class")
+    result.assert_outcomes(passed=1)

@@ -28,7 +28,8 @@ NOT_SHIPPED_SUFFIXES = (".pyc", ".pyo")
 # Left out of the copy the wheel is built from: a stale build/ would ship its leftovers.
 SOURCE_IGNORE = shutil.ignore_patterns(".git", ".tox", "__pycache__", "build", "dist",
                                        "*.egg-info", ".pytest_cache", ".ruff_cache",
-                                       ".mypy_cache", "report.json", "report.md", "tests")
+                                       ".mypy_cache", "report.json", "report.md", "report.html",
+                                       "artifacts", "tests")
 
 
 def clean_env() -> dict[str, str]:

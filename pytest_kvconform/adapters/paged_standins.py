@@ -2,11 +2,12 @@
 
 Each reads K/V from the allocated view (``ctx.layer.kv_cache``, ``[B, H, N, 2*D]``)
 through the block table in ``ctx.native_metadata``, the way a paged kernel does,
-so KV-L7 runs on any device.  Two read correctly (one per layout family); the
-others carry one seeded mistake each, and KV-L7 must fail them naming the first wrong
-block: the evidence that the check can fail, on CPU in the plugin's own tests and on
-CUDA in ``kvconform gpu-check``.  ``kvconform selftest`` plants each misread into a
-conforming stand-in (``faults/plants.py``) and checks that KV-L7 fails it there.
+so KV-L7 runs on any device.  Three read correctly (one per layout family, and one
+that declares CUDA its only paged device); the others carry one seeded mistake each,
+and KV-L7 must fail them naming the first wrong block: the evidence that the check can
+fail, on CPU in the plugin's own tests and on CUDA in ``kvconform gpu-check``.
+``kvconform selftest`` plants each misread into a conforming stand-in
+(``faults/plants.py``) and checks that KV-L7 fails it there.
 
 A pytest plugin module: ``-p pytest_kvconform.adapters.paged_standins`` registers them
 through the plugin's hook (``pytest_kvconform_backends``).  Shipped in the package so the

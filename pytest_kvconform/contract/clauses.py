@@ -427,6 +427,25 @@ def contract_clauses(text: str | None = None) -> dict[str, str]:
     return found
 
 
+def contract_texts(text: str | None = None) -> dict[str, str]:
+    """Clause id -> its whole text in ``contract.md`` (the item's lines, joined), for the
+    report pages that show a result beside the clause it checks."""
+    if text is None:
+        text = CONTRACT.read_text(encoding="utf-8")
+    found: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        m = _CONTRACT_ITEM_RE.match(line)
+        if m is not None:
+            current = found.setdefault(m[1], [])
+            current.append(m[2])
+        elif current is not None and line.startswith("  ") and line.strip():
+            current.append(line.strip())
+        else:
+            current = None
+    return {clause: " ".join(lines) for clause, lines in found.items()}
+
+
 def as_rows() -> list[dict[str, Any]]:
     """The table as plain rows (for docs/clauses.md's table and for tools)."""
     return [{"clause": c.id, "family": c.family, "title": c.title, "applies_to": c.applies_to,

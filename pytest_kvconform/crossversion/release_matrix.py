@@ -125,7 +125,7 @@ def _write(combined: Path, outcomes: Sequence[LegOutcome], run: tuple[str, str, 
     matrix = build_matrix(records, reports, run_record(
         run_id=run_id, started=started, duration_s=time.monotonic() - clock,
         interruption=interruption))
-    write_matrix(combined, matrix)
+    write_matrix(combined, matrix, reports)
     return matrix
 
 

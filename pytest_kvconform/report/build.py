@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import html
 import json
 import os
 import re
@@ -152,6 +153,8 @@ __all__ = [
     "now_iso",
     "nvidia_smi",
     "only_not_checked",
+    "page_path",
+    "page_run_id",
     "ran_count",
     "render_markdown",
     "render_matrix_markdown",
@@ -261,8 +264,8 @@ def _backend_record(backend: Any) -> dict[str, Any]:
 def markdown_path(path: str | Path) -> Path:
     """``report.json`` -> ``report.md``: the Markdown rendering lives next to the JSON."""
     path = Path(path)
-    if path.suffix == ".md":
-        raise ReportError("$", f"{path}: the JSON report path must not end in .md")
+    if path.suffix in (".md", ".html"):
+        raise ReportError("$", f"{path}: the JSON report path must not end in {path.suffix}")
     return path.with_suffix(".md")
 
 
@@ -270,50 +273,101 @@ def report_paths(path: str | Path) -> tuple[Path, Path]:
     """``(json, markdown)`` for a ``--kv-report`` path.
 
     ``r.json`` (or any other name) -> ``r.json`` and ``r.md``; a path ending in ``.md``
-    is understood as the Markdown's: ``r.md`` -> ``r.json`` and ``r.md``.
+    (or ``.html``) is understood as the Markdown's (the page's): ``r.md`` -> ``r.json``
+    and ``r.md``.  The page is :func:`page_path`.
     """
     path = Path(path)
-    if path.suffix == ".md":
-        return path.with_suffix(".json"), path
+    if path.suffix in (".md", ".html"):
+        return path.with_suffix(".json"), path.with_suffix(".md")
     return path, markdown_path(path)
 
 
-def write_report(path: str | Path, report: Mapping[str, Any]) -> tuple[Path, Path]:
-    """Validate, then write JSON and Markdown, each via a temp file and ``os.replace``.
+def page_path(path: str | Path) -> Path:
+    """The HTML page of a ``--kv-report`` path: ``r.json`` -> ``r.html``."""
+    return report_paths(path)[0].with_suffix(".html")
 
-    A reader never sees a half-written report, even when a run is interrupted.  Both
+
+def write_report(path: str | Path, report: Mapping[str, Any]) -> tuple[Path, Path, Path]:
+    """Validate, then write JSON, Markdown and the page, each via a temp file and
+    ``os.replace``.
+
+    A reader never sees a half-written report, even when a run is interrupted.  The
     files are written and renamed under :func:`report_lock`, so two runs writing the
-    same path leave a pair from one run (the Markdown names the JSON's run id; see
-    :func:`check_pair`).  Files get the usual mode (0666 less the umask), not
+    same path leave files from one run (the Markdown and the page name the JSON's run id;
+    see :func:`check_pair`).  Files get the usual mode (0666 less the umask), not
     ``mkstemp``'s 0600.
     """
+    from pytest_kvconform.report.html import render_report_html
+
     validate_report(report)
-    return _write_pair(path, json.dumps(report, indent=2, allow_nan=False) + "\n",
-                       render_markdown(report))
+    json_path = report_paths(path)[0]
+    page, problem = _rendered(lambda: render_report_html(report, json_path.name))
+    written = _write_set(path, json.dumps(report, indent=2, allow_nan=False) + "\n",
+                         render_markdown(report), page)
+    _refuse_unrendered(path, problem)
+    return written
 
 
-def write_matrix(path: str | Path, matrix: Mapping[str, Any]) -> tuple[Path, Path]:
-    """A combined matrix report and its Markdown, written as :func:`write_report` writes."""
+def _rendered(render: Any) -> tuple[str | None, str | None]:
+    """A page, or why it could not be rendered: the JSON and Markdown are written anyway."""
+    try:
+        return render(), None
+    except Exception as exc:  # a template's error must not cost the report
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _refuse_unrendered(path: str | Path, problem: str | None) -> None:
+    if problem is not None:
+        json_path, md_path = report_paths(path)
+        raise ReportError("$", f"{page_path(path)}: the page could not be rendered "
+                          f"({problem}); {json_path} and {md_path} are written")
+
+
+def write_matrix(path: str | Path, matrix: Mapping[str, Any],
+                 reports: Mapping[str, Mapping[str, Any]] | None = None
+                 ) -> tuple[Path, Path, Path]:
+    """A combined matrix report, its Markdown and its page, written as :func:`write_report`
+    writes; ``reports`` (each leg that ran, by name) let the page tell a "not checked"
+    skip from an "n/a" one, and a leg whose page is missing gets one next to its report."""
+    from pytest_kvconform.report.html import render_matrix_html, render_report_html, write_html
+
     validate_matrix(matrix)
-    return _write_pair(path, json.dumps(matrix, indent=2, allow_nan=False) + "\n",
-                       render_matrix_markdown(matrix))
+    page, problem = _rendered(lambda: render_matrix_html(matrix, reports))
+    written = _write_set(path, json.dumps(matrix, indent=2, allow_nan=False) + "\n",
+                         render_matrix_markdown(matrix), page)
+    _refuse_unrendered(path, problem)
+    base = written[0].parent
+    for leg in matrix["legs"]:
+        report = (reports or {}).get(leg["name"])
+        if report is not None and leg["report"]:
+            leg_page = page_path(base / leg["report"])
+            if not leg_page.exists():
+                write_html(leg_page, render_report_html(report, leg["report"]))
+    return written
 
 
-def _write_pair(path: str | Path, json_text: str, md_text: str) -> tuple[Path, Path]:
-    """JSON and Markdown, each via a temp file and ``os.replace``, under the pair's lock."""
+def _write_set(path: str | Path, json_text: str, md_text: str, html_text: str | None
+               ) -> tuple[Path, Path, Path]:
+    """JSON, Markdown and page (unless None: a stale one is removed), each via a temp file
+    and ``os.replace``, under the lock."""
     json_path, md_path = report_paths(path)
+    html_path = page_path(path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     with report_lock(json_path):
         temps: list[tuple[Path, Path]] = []
         try:
-            for final, text in ((json_path, json_text), (md_path, md_text)):
-                temps.append((_temp_write(final, text), final))
+            for final, text in ((json_path, json_text), (md_path, md_text),
+                                (html_path, html_text)):
+                if text is not None:
+                    temps.append((_temp_write(final, text), final))
             for tmp, final in temps:
                 os.replace(tmp, final)
+            if html_text is None:
+                html_path.unlink(missing_ok=True)  # another run's page would pass for this
         finally:
             for tmp, _ in temps:
                 tmp.unlink(missing_ok=True)  # gone once renamed
-    return json_path, md_path
+    return json_path, md_path, html_path
 
 
 def lock_path(path: str | Path) -> Path:
@@ -363,6 +417,7 @@ def _temp_write(path: Path, text: str) -> Path:
 
 
 _MD_RUN_RE = re.compile(r"^Contract .*, run `([^`]+)` started ", re.MULTILINE)
+_HTML_RUN_RE = re.compile(r'<meta name="kvconform-run" content="([^"]*)">')
 
 
 def markdown_run_id(text: str) -> str | None:
@@ -371,30 +426,38 @@ def markdown_run_id(text: str) -> str | None:
     return match.group(1) if match else None
 
 
-def check_pair(path: str | Path) -> None:
-    """Refuse a JSON report whose Markdown next to it comes from another run.
+def page_run_id(text: str) -> str | None:
+    """The run id a report's page names (its ``kvconform-run`` meta tag), or None."""
+    match = _HTML_RUN_RE.search(text)
+    return html.unescape(match.group(1)) if match else None
 
-    Both are read under the pair's shared lock, so a writer's two renames are never
-    seen half done.  No Markdown is fine (a JSON copied alone, or renamed).
+
+def check_pair(path: str | Path) -> None:
+    """Refuse a JSON report whose Markdown or page next to it comes from another run.
+
+    All are read under the report's shared lock, so a writer's renames are never seen
+    half done.  No Markdown or page is fine (a JSON copied alone, or renamed).
     """
     json_path, md_path = report_paths(path)
     with report_lock(json_path, shared=True):
         report = load_report(json_path)
-        try:
-            text: str | None = md_path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            text = None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ReportError("$.run.id", f"{md_path}: cannot read: {exc}") from exc
+        texts = {}
+        for other in (md_path, page_path(json_path)):
+            try:
+                texts[other] = other.read_text(encoding="utf-8")
+            except FileNotFoundError:
+                continue
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ReportError("$.run.id", f"{other}: cannot read: {exc}") from exc
     run = report.get("run")
     run_id = run.get("id") if isinstance(run, dict) else None
-    if text is None:
-        return
-    named = markdown_run_id(text)
-    if named != run_id:
-        theirs = f"run {named!r}" if named else "no run id"
-        raise ReportError("$.run.id", f"{md_path} names {theirs} but {json_path} is run "
-                          f"{run_id!r}: the pair is from different runs (write both again)")
+    for other, text in texts.items():
+        named = markdown_run_id(text) if other == md_path else page_run_id(text)
+        if named != run_id:
+            theirs = f"run {named!r}" if named else "no run id"
+            raise ReportError("$.run.id", f"{other} names {theirs} but {json_path} is run "
+                              f"{run_id!r}: the files are from different runs (write them "
+                              "again)")
 
 
 def load_report(path: str | Path) -> dict[str, Any]:

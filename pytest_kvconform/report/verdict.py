@@ -487,6 +487,17 @@ def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
                  altered: Sequence[str] = ()) -> str:
     """One line: the verdict and what it rests on (a judge altered after start-up, what
     production could not start, what was left out or unchecked, why it stopped)."""
+    notes = verdict_notes(verdict, uncovered, selection, run, results, startup, altered)
+    return verdict + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def verdict_notes(verdict: str, uncovered: Sequence[Mapping[str, Any]],
+                  selection: Mapping[str, Any] | None, run: Mapping[str, Any],
+                  results: Sequence[Mapping[str, Any]],
+                  startup: Sequence[Mapping[str, Any]] = (),
+                  altered: Sequence[str] = ()) -> list[str]:
+    """What the verdict rests on, one note each, root causes first: the verdict line's
+    parenthesis (:func:`verdict_text`), and the reasons a report page lists under it."""
     notes = []
     if altered:
         notes.append(describe_altered(altered))
@@ -518,4 +529,4 @@ def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
                      if r.get("status") == "error"})
     if errors:
         notes.append(f"harness errors ({', '.join(errors)}), not blamed on any backend")
-    return verdict + (f" ({'; '.join(notes)})" if notes else "")
+    return notes

@@ -311,7 +311,10 @@ class KvResults:
                                     altered)
         self.stack_lines = self._stack_lines(results, scope)
         failed = self._exit_status(verdict, scope, results, startup, selection, run, altered)
-        if self.options.report is None and not self.report_wanted:
+        from pytest_kvconform.report import job_summary
+
+        summary = job_summary.wanted()
+        if self.options.report is None and not self.report_wanted and not summary:
             return failed
         environment = report_mod.environment_info(self.options.raw, seed=None)
         if plugins is not None:
@@ -330,9 +333,11 @@ class KvResults:
             options=self.options.raw, strict=strict, selection=selection, run=run,
             altered=altered)
         if self.options.report is None:
+            self._append_summary(None)
             return failed
         try:
-            json_path, md_path = report_mod.write_report(self.options.report, self.built_report)
+            json_path, md_path, page = report_mod.write_report(self.options.report,
+                                                                self.built_report)
         except (OSError, report_mod.ReportError) as exc:
             detail: Any = exc
             if isinstance(exc, OSError) and exc.strerror:
@@ -340,8 +345,21 @@ class KvResults:
             self.report_error = (f"the report could not be written to "
                                  f"{self.options.report}: {detail}")
             return pytest.ExitCode.TESTS_FAILED
-        self.report_line = f"kvconform: report written to {json_path} and {md_path}"
+        self.report_line = f"kvconform: report written to {json_path}, {md_path} and {page}"
+        self._append_summary(page)
         return failed
+
+    def _append_summary(self, page: Path | None) -> None:
+        """The verdict and grid in the CI job's summary, where ``$GITHUB_STEP_SUMMARY`` asks."""
+        from pytest_kvconform.report import job_summary
+
+        if self.built_report is None or not job_summary.wanted():
+            return
+        error = job_summary.append(self.built_report, page)
+        line = f"kvconform: verdict and grid appended to the job summary (${job_summary.VARIABLE})"
+        if error is not None:
+            line = f"kvconform: warning: the job summary could not be written: {error}"
+        self.report_line = "\n".join(filter(None, (self.report_line, line)))
 
     def _exit_status(self, verdict: str, scope: list[str] | None,
                      results: Sequence[dict[str, Any]], startup: Sequence[dict[str, Any]],

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_kvconform.report.build import report_paths
+from pytest_kvconform.report.build import page_path, report_paths
 
 
 class StartupError(ValueError):
@@ -23,14 +23,16 @@ class StartupError(ValueError):
 
 
 def check_report_path(path: Path) -> tuple[Path, Path]:
-    """``(json, markdown)`` paths for ``--kv-report``, each checked writable now.
+    """``(json, markdown)`` paths for ``--kv-report``, each checked writable now, and the
+    page beside them (``r.html``).
 
-    A path ending in ``.md`` is understood as the Markdown's (JSON goes next to it).
+    A path ending in ``.md`` (or ``.html``) is understood as the Markdown's (JSON goes
+    next to it).
     Writability is tried, not inferred from mode bits: root ignores them, while a
     read-only mount, ``/sys`` or a file used as a directory refuse even root.
     """
     json_path, md_path = report_paths(path)
-    for target in (json_path, md_path):
+    for target in (json_path, md_path, page_path(path)):
         _check_writable_file(path, target)
     return json_path, md_path
 

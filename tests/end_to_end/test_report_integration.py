@@ -152,3 +152,25 @@ def test_stale_detection_under_xdist(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1, xfailed=1)
     result.stdout.fnmatch_lines(["*stale xfail entry known.toml:2 NOT_THERE/KV-L2/test_kv_l2*"])
     assert "known.toml:1" not in result.stdout.str()
+
+
+def test_the_page_and_the_job_summary(pytester: pytest.Pytester, kv_run,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--kv-report r.json`` writes ``r.html`` beside it, and a run under GitHub Actions
+    appends its verdict and grid to the job's summary."""
+    register_backends(pytester, GOOD_AND_INT_FLAG)
+    summary = pytester.path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    result = kv_run(*SELECT, "--kv-report", "r.json")
+    result.stdout.fnmatch_lines(["kvconform: report written to r.json, r.md and r.html",
+                                 "kvconform: verdict and grid appended to the job summary "
+                                 "($GITHUB_STEP_SUMMARY)"])
+    page = (pytester.path / "r.html").read_text()
+    data = json.loads((pytester.path / "r.json").read_text())
+    assert report.page_run_id(page) == data["run"]["id"]
+    assert 'id="test_kv_l1[INT_FLAG]"' in page and "returned 1 of type int" in page
+    text = summary.read_text()
+    assert text.startswith("### kvconform: ✗ verdict for GOOD, INT_FLAG: not qualified "
+                           "(non-strict)")
+    assert "| INT_FLAG | ✗ fail 1/1 |" in text and "| GOOD | ✓ pass 1/1 |" in text
+    assert "`r.html`" in text

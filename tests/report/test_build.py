@@ -326,16 +326,18 @@ def test_terminal_matrix_empty() -> None:
 # --------------------------------------------------------------------------- files
 
 
-def test_write_report_writes_json_and_markdown(tmp_path: Path) -> None:
+def test_write_report_writes_json_markdown_and_page(tmp_path: Path) -> None:
     report = build()
-    json_path, md_path = rp.write_report(tmp_path / "sub" / "r.json", report)
+    json_path, md_path, page = rp.write_report(tmp_path / "sub" / "r.json", report)
     assert json_path == tmp_path / "sub" / "r.json"
     assert md_path == tmp_path / "sub" / "r.md"
+    assert page == tmp_path / "sub" / "r.html"
     assert json.loads(json_path.read_text()) == report
     assert md_path.read_text() == rp.render_markdown(report)
-    # The pair's lock stays (see tests/report/test_writers.py); no temp file does.
-    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == [".r.json.lock", "r.json",
-                                                                    "r.md"]
+    assert rp.page_run_id(page.read_text()) == report["run"]["id"]
+    # The report's lock stays (see tests/report/test_writers.py); no temp file does.
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == [".r.json.lock", "r.html",
+                                                                    "r.json", "r.md"]
 
 
 def test_write_report_refuses_invalid_report(tmp_path: Path) -> None:

@@ -543,14 +543,15 @@ def test_report_path_in_a_read_only_directory(tmp_path: Path) -> None:
 def test_reports_are_written_with_the_usual_mode(tmp_path: Path) -> None:
     old = os.umask(0o022)
     try:
-        json_path, md_path = rp.write_report(tmp_path / "r.md", build([row("a")]))
+        json_path, md_path, page = rp.write_report(tmp_path / "r.md", build([row("a")]))
     finally:
         os.umask(old)
-    assert (json_path.name, md_path.name) == ("r.json", "r.md")
-    for path in (json_path, md_path):
+    assert (json_path.name, md_path.name, page.name) == ("r.json", "r.md", "r.html")
+    for path in (json_path, md_path, page):
         assert stat.S_IMODE(path.stat().st_mode) == 0o644
-    # No temp file; the pair's lock (private) stays.
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".r.json.lock", "r.json", "r.md"]
+    # No temp file; the report's lock (private) stays.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".r.json.lock", "r.html", "r.json",
+                                                          "r.md"]
 
 
 # --------------------------------------------------------------------------- end to end
@@ -646,7 +647,8 @@ def test_ctrl_c_before_the_results_plugin_exists_still_reports(
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(["kvconform: verdict: interrupted (interrupted: "
                                  "KeyboardInterrupt during start-up, before any test was "
-                                 "collected*", "kvconform: report written to r.json and r.md"])
+                                 "collected*",
+                                 "kvconform: report written to r.json, r.md and r.html"])
     data = json.loads((pytester.path / "r.json").read_text())
     rp.validate_report(data)
     assert (data["verdict"], data["results"]) == ("interrupted", [])

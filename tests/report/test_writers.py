@@ -84,19 +84,20 @@ def test_two_concurrent_writers_leave_one_runs_pair(tmp_path: Path) -> None:
         assert md_id is not None and md_id.endswith(f"-{WRITES - 1}")
     # Only the pair and its lock are left: no temp file of either writer.
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("go")) == \
-        [".r.json.lock", "r.json", "r.md"]
+        [".r.json.lock", "r.html", "r.json", "r.md"]
 
 
 def test_markdown_names_the_run_id(tmp_path: Path) -> None:
     report = build([row("a")])
-    _, md_path = rp.write_report(tmp_path / "r.json", report)
+    _, md_path, page = rp.write_report(tmp_path / "r.json", report)
+    assert rp.page_run_id(page.read_text()) == report["run"]["id"]
     assert rp.markdown_run_id(md_path.read_text()) == report["run"]["id"]
     rp.check_pair(tmp_path / "r.json")
 
 
 def _mixed_pair(tmp_path: Path) -> tuple[Path, Path, dict[str, Any]]:
     first, second = build([row("a")]), build([row("a")])
-    json_path, md_path = rp.write_report(tmp_path / "r.json", first)
+    json_path, md_path, _ = rp.write_report(tmp_path / "r.json", first)
     md_path.write_text(rp.render_markdown(second))
     return json_path, md_path, first
 
