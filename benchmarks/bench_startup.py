@@ -1,4 +1,5 @@
-"""How fast bad output paths and a bad xfails file are refused (target: ~1 s, before vLLM).
+"""How fast bad output paths, a bad xfails file and an unknown backend name are refused
+(target: ~1 s, before vLLM; an unknown ``--kv-backend`` under 5 s).
 
 Run in the default environment:  python benchmarks/bench_startup.py [-o FILE]
 Each case is a fresh ``pytest --kv-conformance`` process that must end in a usage error
@@ -43,6 +44,8 @@ def cases(tmp: Path) -> dict[str, list[str]]:
         "--kv-report under a file (file/r.json)": ["--kv-report", "a_file/r.json"],
         "--kv-report naming a directory": ["--kv-report", "a_dir"],
         "--kv-xfails file missing a key": ["--kv-xfails", "bad.toml"],
+        "--kv-backend NOPE (no registry has it)": ["--kv-backend", "NOPE"],
+        "--kv-backend '' (an empty name)": ["--kv-backend", ""],
     }
 
 

@@ -46,12 +46,11 @@ from pytest_kvconform.contract.outcomes import (
     Unsupported,
     describe_error,
 )
-from pytest_kvconform.contract.records import BackendUnderTest, Case
+from pytest_kvconform.contract.records import API_SOURCE, BackendUnderTest, Case
 from pytest_kvconform.workers import budget, isolated, protocol
 
 Status = Literal["passed", "failed", "skipped", "error"]
 STATUSES: tuple[Status, ...] = ("passed", "failed", "skipped", "error")
-API_SOURCE = "api"
 WHO_AXES = ("backend", "need")  # the axes that say whom a run speaks for
 
 
@@ -93,6 +92,38 @@ class CheckResult:
             self.status == "skipped" and clauses_mod.skip_forgiven(self.clause, self.skip_kind))
 
 
+class CheckResults(list[CheckResult]):
+    """What :func:`check_backend` returns: its results, in plan order (a list), and what
+    they say about the backend.  Nothing ran, nothing qualified: a backend none of whose
+    own results ran (it does not import, or every clause was skipped) is never
+    :attr:`qualified`, and :attr:`not_checked` says why, as a run's verdict does.
+    :attr:`altered` names what of the suite's own code changed while the backend's code
+    ran (the judge's integrity): then nothing is qualified either."""
+
+    def __init__(self, results: Iterable[CheckResult] = (), altered: Sequence[str] = ()):
+        super().__init__(results)
+        self.altered: list[str] = list(altered)
+
+    @property
+    def not_checked(self) -> str | None:
+        """``X: not checked (every clause skipped, N results; backend skip: why)``, or None
+        when some result of the backend's own ran."""
+        from pytest_kvconform.report.verdict import describe_uncovered, not_checked
+
+        rows = [{"nodeid": r.test, "backend": r.backend, "clause": r.clause,
+                 "status": r.status, "reason": r.message,
+                 "skip_kind": r.skip_kind.value if r.skip_kind is not None else None}
+                for r in self]
+        found = not_checked(rows, declared_ok=False)
+        return describe_uncovered(found[0]) if found else None
+
+    @property
+    def qualified(self) -> bool:
+        """Every result :attr:`~CheckResult.ok`, and some result of the backend's own ran."""
+        return (bool(self) and all(r.ok for r in self) and self.not_checked is None
+                and not self.altered)
+
+
 @dataclass(frozen=True)
 class _Run:
     """One planned call: a check and the parameters it runs with."""
@@ -128,8 +159,10 @@ def check_backend(
     seams: bool = False,
     memory_fraction: float = 0.5,
     plugins: str = "production",
-) -> list[CheckResult]:
-    """Run the applicable clauses against ``backend_cls``; one :class:`CheckResult` per run.
+) -> CheckResults:
+    """Run the applicable clauses against ``backend_cls``; one :class:`CheckResult` per run,
+    in a :class:`CheckResults` (a list that also says whether the backend qualified, or
+    was not checked, and why).
 
     ``backend_cls``: the backend's class (a registry member's class is tested
     under its registry name), a :class:`~pytest_kvconform.contract.records.BackendUnderTest`,
@@ -146,6 +179,9 @@ def check_backend(
     """
     import pytest_kvconform.faults  # noqa: F401  (installs the seeded-fault hook, as a run does)
     from pytest_kvconform.adapters import omni_plugins
+    from pytest_kvconform.session import integrity
+
+    fingerprint = integrity.take(integrity.WITHOUT_PYTEST)  # before the backend's code runs
 
     if plugins not in ("production", "none"):
         raise ValueError(f"check_backend: plugins={plugins!r}; expected 'production' or 'none'")
@@ -160,8 +196,9 @@ def check_backend(
             backend = backend_under_test(backend_cls)
             plan = list(_plan(selected, backend, case_list, seams=seams))
             with _worker_pool(plan, torch_device, gpu_ids) as kv_workers:
-                return [_execute(run, torch_device, kv_workers, memory_fraction)
-                        for run in plan]
+                results = [_execute(run, torch_device, kv_workers, memory_fraction)
+                           for run in plan]
+            return CheckResults(results, altered=fingerprint.changes())
         finally:
             omni_plugins.restore_plugins_env(saved)
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pytest_kvconform.contract import inert
 from pytest_kvconform.report.build import (
     MATRIX_SCHEMA,
     SCHEMA,
@@ -44,8 +45,14 @@ EXIT_BAD_INPUT = 2
 
 
 def _error(message: str) -> int:
-    print(f"kvconform: error: {message}", file=sys.stderr)
+    print(inert.terminal(f"kvconform: error: {message}"), file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def _out(text: str) -> None:
+    """Text built from reports, to stdout: a report from anywhere cannot drive the terminal
+    (:mod:`~pytest_kvconform.contract.inert`)."""
+    sys.stdout.write(inert.terminal(text))
 
 
 def _load_valid(path: str) -> dict[str, Any]:
@@ -91,9 +98,9 @@ def _named(path: str, check: Any, *args: Any) -> None:
 def _cmd_show(args: argparse.Namespace) -> int:
     try:
         if is_matrix(load_report(args.report)):
-            sys.stdout.write(render_matrix_markdown(_load_matrix(args.report)[0]))
+            _out(render_matrix_markdown(_load_matrix(args.report)[0]))
         else:
-            sys.stdout.write(render_markdown(_load_valid(args.report)))
+            _out(render_markdown(_load_valid(args.report)))
     except ReportError as exc:
         return _error(exc.message)
     return EXIT_OK
@@ -145,14 +152,14 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         if kinds[0]:
             (a, reports_a), (b, reports_b) = _load_matrix(args.a), _load_matrix(args.b)
             found = diff_matrices(a, b, reports_a, reports_b)
-            sys.stdout.write(render_matrix_diff(found, args.a, args.b))
+            _out(render_matrix_diff(found, args.a, args.b))
             code = _diff_page(args, found)
             return code if code != EXIT_OK else EXIT_GATE if found.new_failures else EXIT_OK
         a, b = _load_valid(args.a), _load_valid(args.b)
     except ReportError as exc:
         return _error(exc.message)
     single = diff_reports(a, b)
-    sys.stdout.write(render_diff(single, args.a, a, args.b, b))
+    _out(render_diff(single, args.a, a, args.b, b))
     code = _diff_page(args, single, a, b)
     return code if code != EXIT_OK else EXIT_GATE if single.new_failures else EXIT_OK
 
@@ -262,7 +269,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         named = [(path, load_report(path)) for path in args.reports]
         check_mergeable(named)  # before validation: a foreign schema gets the clearer message
         named = [(path, _load_valid(path)) for path in args.reports]
-        text = render_merged_markdown(named)
+        text = inert.terminal(render_merged_markdown(named))
     except ReportError as exc:
         return _error(exc.message)
     if args.html is not None:
@@ -275,7 +282,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         if code != EXIT_OK:
             return code
     if args.output is None:
-        sys.stdout.write(text)
+        _out(text)
         return EXIT_OK
     try:
         Path(args.output).write_text(text, encoding="utf-8")
@@ -301,7 +308,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         json_path, _ = report_paths(args.report)
         if json_path.is_file():
             try:
-                print(render_markdown(load_report(json_path)))
+                _out(render_markdown(load_report(json_path)) + "\n")
             except ReportError as exc:
                 _error(exc.message)
         else:
@@ -310,7 +317,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     grab = _GrabReport()
     code = int(pytest.main(["--kv-conformance", "-q", *args.extra], plugins=[grab]))
     if grab.report is not None:
-        print(render_markdown(grab.report))
+        _out(render_markdown(grab.report) + "\n")
     print("kvconform: no report file kept (pass --report PATH to keep one)")
     return code
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,22 +36,34 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     pluginmanager.add_hookspecs(hookspecs)
 
 
-def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
-    """xdist sizes ``-n auto`` before pytest_configure; its hooks must be in by then.
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config,
+                                  args: list[str]) -> Generator[None, None, None]:
+    """First, before any conftest loads: the rootdir and configfile as if pytest had known
+    this plugin's options when it chose them (``session/rootdir.py``: a value written as a
+    separate argument, ``--kv-xfails FILE``, is not a test path).  Then the xdist hooks:
+    xdist sizes ``-n auto`` before pytest_configure; its hooks must be in by then.
 
-    Only with ``--kv-conformance`` (or its ini key): a run with the plugin off imports
-    nothing more than this module and ``options`` (the plugin-off cost, bench_goals.py).
+    The xdist hooks only with ``--kv-conformance`` (or its ini key): a run with the plugin
+    off imports nothing more than this module and ``options`` (the plugin-off cost,
+    bench_goals.py), unless an option of ours is written as two arguments.
     """
-    known = getattr(early_config, "known_args_namespace", None)
-    if not getattr(known, "kv_conformance", None):
-        try:
-            if not early_config.getini("kv_conformance"):
-                return
-        except ValueError:
-            return
-    from pytest_kvconform.session.xdist import register_xdist_hooks
+    if any(arg.startswith("--kv-") and "=" not in arg for arg in args):
+        from pytest_kvconform.session.rootdir import settle
 
-    register_xdist_hooks(early_config)
+        settle(early_config, args)
+    known = getattr(early_config, "known_args_namespace", None)
+    enabled = bool(getattr(known, "kv_conformance", None))
+    if not enabled:
+        try:
+            enabled = bool(early_config.getini("kv_conformance"))
+        except ValueError:
+            enabled = False
+    if enabled:
+        from pytest_kvconform.session.xdist import register_xdist_hooks
+
+        register_xdist_hooks(early_config)
+    return (yield)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -63,7 +75,7 @@ def pytest_configure(config: pytest.Config) -> None:
                             "test is parametrised with (predicate(case) -> bool)")
     signals = _run_signals(config)
     try:
-        known = _startup_checks(options)  # before anything heavy is imported
+        known = _startup_checks(config, options)  # before anything heavy is imported
         _add_suite(config)
         if hasattr(config, "workerinput"):  # an xdist worker never outlives its controller
             from pytest_kvconform.workers.pool import exit_with_parent
@@ -193,10 +205,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     KvWorkers(plugin.device, list(plugin.gpu_ids)).settle(max(sizes, default=0))
 
 
-def _startup_checks(options: Options) -> Any:
-    """Output paths, the case files and the known findings (``KnownFindings``), checked
-    before discovery imports vLLM: a bad or oversized case is refused within a second,
-    before any worker starts."""
+def _startup_checks(config: pytest.Config, options: Options) -> Any:
+    """Output paths, the case files, the backend names and the known findings
+    (``KnownFindings``), checked before discovery imports vLLM: a bad or oversized case,
+    or a backend name no source has, is refused within a second, before any worker
+    starts."""
     from pytest_kvconform.contract import cases
     from pytest_kvconform.session import startup
 
@@ -209,6 +222,12 @@ def _startup_checks(options: Options) -> Any:
         cases.load_cases(options.cases)  # loaded again (and kept) when the session starts
     except cases.CaseFileError as exc:
         raise pytest.UsageError(f"--kv-cases: {exc}") from None
+    hooks = [str(getattr(impl.plugin, "__file__", None) or impl.plugin_name) for impl in
+             config.pluginmanager.hook.pytest_kvconform_backends.get_hookimpls()]
+    try:
+        startup.check_backend_names(options.backends, hooks)
+    except startup.StartupError as exc:
+        raise pytest.UsageError(f"--kv-backend: {exc}") from None
     try:
         return startup.known_findings(options.xfails)
     except startup.StartupError as exc:

@@ -37,6 +37,47 @@ class SlipBackend(SDPABackend):
 
     def indexes_kv_by_block_stride(self) -> bool:
         return False
+
+
+class MisnamedBackend(SDPABackend):
+    """Registered as MY_MISNAMED, answers to a registry member's name."""
+
+    supports_paged_kv = True
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "TORCH_SDPA"
+'''
+
+# A backend whose module, at import, rewrites the suite's check runner so that its broken
+# declaration (an instance method) passes: the judge's integrity must refuse it.
+JUDGE_REWRITER = '''"""Hostile: importing it replaces the suite's check runner."""
+
+import pytest_kvconform.suite.check_call as _check_call
+from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
+
+_run_check = _check_call.run_check
+
+
+def lenient(request, check, *args, **kwargs):
+    """The backend's own clauses pass unrun; the stack's run as ever."""
+    if getattr(check, "__name__", "").startswith(("check_kv_l1", "check_kv_l2")):
+        return None
+    return _run_check(request, check, *args, **kwargs)
+
+
+_check_call.run_check = lenient
+
+
+class RewritesTheJudge(SDPABackend):
+    supports_paged_kv = True
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "MY_REWRITER"
+
+    def indexes_kv_by_block_stride(self) -> bool:
+        return False
 '''
 
 

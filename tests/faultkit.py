@@ -329,7 +329,7 @@ BLOCKING_TESTS = ("test_kv_l1[BLOCKING]", "test_kv_l2[BLOCKING]", "test_kv_l3[BL
                   "test_kv_l8_worker_alias[BLOCKING]", "test_kv_l8_env_honoured[BLOCKING]",
                   "test_kv_l8_env_refused[BLOCKING]")
 BLOCKING_SELECT = ("--kv-backend", "BLOCKING", "--kv-backend", "GOOD", "-k",
-                   "kv_l1 or kv_l2 or kv_l3 or kv_l8")
+                   "(kv_l1 or kv_l2 or kv_l3 or kv_l8) and not kv_l1_name")
 
 
 def blocking_declaration(workdir: Path, timeout_s: float = 2.0) -> Outcome:

@@ -26,6 +26,7 @@ import pytest
 from pytest_kvconform.contract.clauses import clause_from_test_name
 from pytest_kvconform.faults import plants
 from pytest_kvconform.workers import protocol
+from tests.standin_backends import StandIn
 
 
 def _owner(target: str) -> tuple[Any, str]:
@@ -71,18 +72,22 @@ class Seeder:
 
 def backends_conftest(backends: Mapping[str, type | str]) -> str:
     """Conftest text registering ``backends`` through the plugin's hook: importable classes,
-    or ``"module:Class"`` specs (the hook's other form, which may name a missing module)."""
+    or ``"module:Class"`` specs (the hook's other form, which may name a missing module).
+    A stand-in (``tests.standin_backends.StandIn``) is registered as a subclass whose
+    ``get_name()`` answers the name it is registered under; any other class as it is."""
     lines, values = [], []
-    for i, backend in enumerate(backends.values()):
+    for i, (name, backend) in enumerate(backends.items()):
         if isinstance(backend, str):
             values.append(repr(backend))
         else:
             lines.append(f"from {backend.__module__} import {backend.__qualname__} as _b{i}")
-            values.append(f"_b{i}")
+            values.append(f"_named(_b{i}, {name!r})" if issubclass(backend, StandIn)
+                          else f"_b{i}")
     if lines:  # xdist workers and subprocess runs lack this process's sys.path entry for tests/
         root = str(Path(__file__).resolve().parents[1])
         lines[:0] = ["import sys", "", f"if {root!r} not in sys.path:",
-                     f"    sys.path.insert(0, {root!r})", ""]
+                     f"    sys.path.insert(0, {root!r})", "",
+                     "from tests.standin_backends import named as _named", ""]
     mapping = ", ".join(f"{name!r}: {value}" for name, value in zip(backends, values, strict=True))
     return "\n".join([*lines, "", "", "def pytest_kvconform_backends(config):",
                       f"    return {{{mapping}}}", ""])

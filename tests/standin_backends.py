@@ -1,17 +1,36 @@
 """Stand-in backends for tests, defined once.
 
 Tests that call the checks use the classes directly; pytester and subprocess runs
-register them through the plugin's hook (``tests.seeding.backends_conftest``).  The
-paged stand-ins of KV-L7 ship in ``pytest_kvconform/adapters/paged_standins.py``.
-Nothing heavy is imported here: torch only inside the declarations that touch CUDA.
+register them through the plugin's hook (``tests.seeding.backends_conftest``), each under
+the name its test gives it, which its ``get_name()`` then answers (KV-L1's name control):
+the hook registers a subclass naming it.  The paged stand-ins of KV-L7 ship in
+``pytest_kvconform/adapters/paged_standins.py``.  Nothing heavy is imported here: torch
+only inside the declarations that touch CUDA.
 """
 
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 
-class Good:
+class StandIn:
+    """A stand-in's name: the one it is registered under, else its class name."""
+
+    registered_as: ClassVar[str | None] = None
+
+    @classmethod
+    def get_name(cls) -> str:
+        return cls.registered_as or cls.__name__
+
+
+def named(cls: type, name: str) -> type:
+    """``cls`` answering to ``name`` (a subclass that says so; the same import path)."""
+    return type(cls.__name__, (cls,), {"registered_as": name, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+class Good(StandIn):
     """Declares False, as every in-tree backend does."""
 
     @classmethod
@@ -19,13 +38,13 @@ class Good:
         return False
 
 
-class GoodBlockStride:
+class GoodBlockStride(StandIn):
     @classmethod
     def indexes_kv_by_block_stride(cls) -> bool:
         return True
 
 
-class IntFlag:
+class IntFlag(StandIn):
     """Declares the int 1: truthy, not a bool, which KV-L1 must report."""
 
     @classmethod
@@ -33,7 +52,7 @@ class IntFlag:
         return 1
 
 
-class Flipping:
+class Flipping(StandIn):
     calls = 0
 
     @classmethod
@@ -42,7 +61,7 @@ class Flipping:
         return cls.calls % 2 == 0
 
 
-class TouchesCuda:
+class TouchesCuda(StandIn):
     @classmethod
     def indexes_kv_by_block_stride(cls) -> bool:
         import torch
@@ -54,7 +73,7 @@ class TouchesCuda:
         return False
 
 
-class TouchesCudaRaw:
+class TouchesCudaRaw(StandIn):
     @classmethod
     def indexes_kv_by_block_stride(cls) -> bool:
         import torch
@@ -62,13 +81,13 @@ class TouchesCudaRaw:
         return torch.cuda.current_device() >= 0  # raises on a CPU-only build
 
 
-class Raises:
+class Raises(StandIn):
     @classmethod
     def indexes_kv_by_block_stride(cls) -> bool:
         raise RuntimeError("registry not ready")
 
 
-class NeedsBlockStride:
+class NeedsBlockStride(StandIn):
     """Needs a block-outermost layout and has no paged path."""
 
     supports_paged_kv = False
@@ -78,7 +97,7 @@ class NeedsBlockStride:
         return True
 
 
-class Blocking:
+class Blocking(StandIn):
     @classmethod
     def indexes_kv_by_block_stride(cls) -> bool:
         time.sleep(300)  # a declaration that blocks for minutes

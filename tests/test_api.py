@@ -29,12 +29,14 @@ COLLECTED = ROOT / "tests" / "data" / "collected_ids.txt"
 def test_the_package_exports_it_lazily() -> None:
     assert pytest_kvconform.check_backend is api.check_backend
     assert pytest_kvconform.CheckResult is api.CheckResult
+    assert pytest_kvconform.CheckResults is api.CheckResults
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         pytest_kvconform.nope  # noqa: B018
 
 
 def test_seeded_non_bool_declaration_fails_kv_l1_with_the_details() -> None:
-    [result] = api.check_backend(IntFlag, clauses=["KV-L1"], device="cpu")
+    result, name = api.check_backend(IntFlag, clauses=["KV-L1"], device="cpu")
+    assert (name.test, name.status) == ("test_kv_l1_name[IntFlag]", "passed")  # its own name
     assert (result.clause, result.status, result.backend) == ("KV-L1", "failed", "IntFlag")
     assert result.test == "test_kv_l1[IntFlag]"
     assert "KV-L1 violated [backend=IntFlag]" in result.message
@@ -43,18 +45,31 @@ def test_seeded_non_bool_declaration_fails_kv_l1_with_the_details() -> None:
 
 
 def test_a_clean_declaration_passes_kv_l1() -> None:
-    [result] = api.check_backend(Good, clauses=["KV-L1"], device="cpu")
+    result, name = api.check_backend(Good, clauses=["KV-L1"], device="cpu")
     assert (result.status, result.message, result.skip_kind) == ("passed", "", None)
-    assert result.ok
+    assert result.ok and name.ok
 
 
 def test_an_unimportable_backend_is_a_backend_skip() -> None:
     results = api.check_backend("no_such_pkg.backends:Missing", clauses=["KV-L1", "KV-L7"],
                                 device="cpu")
     assert [(r.clause, r.status, r.skip_kind) for r in results] == [
-        ("KV-L1", "skipped", SkipKind.BACKEND), ("KV-L7", "skipped", SkipKind.BACKEND)]
+        ("KV-L1", "skipped", SkipKind.BACKEND), ("KV-L1", "skipped", SkipKind.BACKEND),
+        ("KV-L7", "skipped", SkipKind.BACKEND)]
     assert "ModuleNotFoundError: No module named 'no_such_pkg'" in results[0].message
     assert not results[0].ok
+    # Nothing ran, nothing qualified: as a run's verdict says it.
+    assert not results.qualified
+    assert results.not_checked is not None
+    assert results.not_checked.startswith(
+        "no_such_pkg.backends:Missing: not checked (every clause skipped, 3 results; backend "
+        "skip: backend no_such_pkg.backends:Missing is not importable: ModuleNotFoundError")
+
+
+def test_a_backend_checked_and_passing_qualifies() -> None:
+    results = api.check_backend(Good, clauses=["KV-L1"], device="cpu")
+    assert isinstance(results, api.CheckResults) and isinstance(results, list)
+    assert results.qualified and results.not_checked is None
 
 
 @pytest.mark.parametrize(("raised", "status", "kind"), [
@@ -71,7 +86,7 @@ def test_every_outcome_of_a_check_is_a_result(seed: Seeder, raised: Exception, s
         raise raised
 
     seed.replace("pytest_kvconform.checks.layout.check_kv_l1", check)
-    [result] = api.check_backend(Good, clauses=["KV-L1"], device="cpu")
+    result, _name = api.check_backend(Good, clauses=["KV-L1"], device="cpu")
     assert (result.status, result.error_kind) == (status, kind)
     assert str(raised) in result.message
     if status == "skipped":
@@ -97,8 +112,9 @@ def test_bad_input_is_one_clear_error(kwargs: dict[str, object], match: str) -> 
 def test_a_clause_left_without_cases_is_reported_not_dropped() -> None:
     results = api.check_backend(Good, cases=["bf16_h8"], clauses=["KV-S5", "KV-L1"],
                                 device="cpu")
-    assert [(r.clause, r.status) for r in results] == [("KV-L1", "passed"), ("KV-S5", "skipped")]
-    s5 = results[1]
+    assert [(r.clause, r.status) for r in results] == [("KV-L1", "passed"), ("KV-L1", "passed"),
+                                                       ("KV-S5", "skipped")]
+    s5 = results[2]
     assert s5.message == "KV-S5: none of the selected cases (bf16_h8) is one it runs on"
     assert s5.skip_kind is None and not s5.ok  # strict qualification would not forgive it
 
@@ -183,8 +199,8 @@ def test_adoption_clauses_run_in_workers_and_see_a_seeded_fault(seed: Seeder) ->
     assert clean.seeded_fault is None and clean.ok
     assert multiprocessing.active_children() == [] and workers._pool is None
     seed.worker_fault("wrong_offset")
-    l1, faulty = api.check_backend("FLASH_ATTN", cases=["bf16_h8"], clauses=["KV-L1", "KV-A3"],
-                                   device="cpu")
+    l1, _name, faulty = api.check_backend("FLASH_ATTN", cases=["bf16_h8"],
+                                          clauses=["KV-L1", "KV-A3"], device="cpu")
     assert faulty.status == "failed", faulty
     assert "KV-A3 violated" in faulty.message and "FLASH_ATTN" in faulty.message
     # The result says it ran under the seeded fault; KV-L1 drove no worker, so it did not.
@@ -255,9 +271,10 @@ def test_both_front_ends_give_a_raising_check_one_status(
     from tests.seeding import backends_conftest
 
     seed.replace("pytest_kvconform.checks.layout.check_kv_l1", bug)
-    [direct] = api.check_backend(Good, clauses=["KV-L1"])
+    direct, _name = api.check_backend(Good, clauses=["KV-L1"])
     pytester.makeconftest(backends_conftest({"Good": Good}))
-    pytester.runpytest(*KV_ARGS, "-k", "kv_l1", "--kv-backend", "Good", "--kv-report", "r.json")
+    pytester.runpytest(*KV_ARGS, "-k", "kv_l1 and not name", "--kv-backend", "Good",
+                       "--kv-report", "r.json")
     rows = json.loads((pytester.path / "r.json").read_text())["results"]
     [suite] = [r for r in rows if r["backend"] == "Good"]
     assert (direct.status, suite["status"]) == (status, status), (direct, suite)

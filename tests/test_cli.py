@@ -265,3 +265,33 @@ def test_usage_errors_return_2(capsys: Any) -> None:
     assert main(["merge"]) == 2
     assert main(["--help"]) == 0
     assert "merge" in capsys.readouterr().out
+
+
+ESCAPES = "\x1b[2J\x1b]0;pwned\x07\x1b[31m"  # clear the screen, set the title, turn red
+
+
+def _hostile_report(host: str) -> dict[str, Any]:
+    """A valid report whose texts carry escape sequences and Markdown: a report from
+    another host is input, not output."""
+    results = [
+        row("t.py::test_kv_l1[FLASH_ATTN]", backend="FLASH_ATTN"),
+        row("t.py::test_kv_l7[FLASH_ATTN]", "KV-L7", "skipped", backend="FLASH_ATTN",
+            reason=f"no CUDA {ESCAPES}<img src=x onerror=alert(1)>|", skip_kind="hardware"),
+    ]
+    env = environment(host=f"{host}{ESCAPES}", import_log=[
+        {"level": "WARNING", "text": f"vLLM said {ESCAPES}\n```` fence"}])
+    backends = [backend_record("FLASH_ATTN", f"m:F{ESCAPES}", "registry")]
+    return build(results, env=env, backends=backends)
+
+
+def test_show_and_merge_print_no_escape_sequence(tmp_path: Path, capsys: Any) -> None:
+    one = dump(tmp_path / "one.json", _hostile_report("cpu-box"))
+    two = dump(tmp_path / "two.json", _hostile_report("gpu-box"))
+    for argv in (["show", str(one)], ["merge", str(one), str(two)]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "\x07" not in out, argv
+        assert "\\x1b[2J" in out, argv  # shown as text: what the report holds, visibly
+        assert "<img" not in out, argv
+    assert main(["merge", str(one), str(two), "-o", str(tmp_path / "m.md")]) == 0
+    assert "\x1b" not in (tmp_path / "m.md").read_text()

@@ -86,7 +86,7 @@ def test_collect_only_lists_all_registry_members(kv_run) -> None:
 @needs_omni
 def test_registry_run_l1_l2(kv_run) -> None:
     result = kv_run("-rs", "-k", "kv_l1 or kv_l2")
-    result.assert_outcomes(passed=20, skipped=2)
+    result.assert_outcomes(passed=30, skipped=3)  # KV-L1's two controls, KV-L2
     result.stdout.fnmatch_lines([
         "*backend x clause*",
         "*KV-L1: backend SAGE_ATTN_3 is not importable: ImportError*",
@@ -99,7 +99,7 @@ def test_registry_run_l1_l2(kv_run) -> None:
 def test_unknown_backend_is_usage_error(kv_run) -> None:
     result = kv_run("--kv-backend", "NOPE")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--kv-backend: unknown backend NOPE; available backends: "
+    result.stderr.fnmatch_lines(["*--kv-backend: unknown backend 'NOPE'; available backends: "
                                  "CUDNN_ATTN, *TORCH_SDPA, TRTLLM_ATTN*"])
 
 
@@ -107,7 +107,7 @@ def test_hook_backends_and_bad_flag(pytester: pytest.Pytester, kv_run) -> None:
     register_backends(pytester, FAKE_BACKENDS)
     result = kv_run("-rs", "-k", "kv_l1", "--kv-backend", "GOOD_BS", "--kv-backend", "INT_FLAG",
                     "--kv-backend", "MISSING")
-    result.assert_outcomes(passed=1, failed=1, skipped=1)
+    result.assert_outcomes(passed=3, failed=1, skipped=2)  # each names itself as registered
     result.stdout.fnmatch_lines([
         "*KV-L1 violated [[]backend=INT_FLAG[]]: indexes_kv_by_block_stride() returned 1 of "
         "type int; a real bool is required*",
@@ -125,8 +125,17 @@ def test_entry_point_backend(pytester: pytest.Pytester, kv_run,
             def indexes_kv_by_block_stride(cls):
                 return False
 
+            @classmethod
+            def get_name(cls):
+                return "EP_CLASS"
+
+        class MappedBackend(EntryBackend):
+            @classmethod
+            def get_name(cls):
+                return "EP_MAPPED"
+
         def more():
-            return {"EP_MAPPED": EntryBackend}
+            return {"EP_MAPPED": MappedBackend}
     '''))
     info = site / "kvc_fake_backend-0.1.dist-info"
     info.mkdir()
@@ -138,8 +147,10 @@ def test_entry_point_backend(pytester: pytest.Pytester, kv_run,
     monkeypatch.syspath_prepend(str(site))
     result = kv_run("-v", "-k", "kv_l1 and EP_")
     result.stdout.fnmatch_lines(["*test_kv_l1[[]EP_CLASS[]] PASSED*",
-                                 "*test_kv_l1[[]EP_MAPPED[]] PASSED*"])
-    result.assert_outcomes(passed=2)
+                                 "*test_kv_l1[[]EP_MAPPED[]] PASSED*",
+                                 "*test_kv_l1_name[[]EP_CLASS[]] PASSED*",
+                                 "*test_kv_l1_name[[]EP_MAPPED[]] PASSED*"])
+    result.assert_outcomes(passed=4)
 
 
 def test_duplicate_backend_name_is_usage_error(pytester: pytest.Pytester, kv_run) -> None:

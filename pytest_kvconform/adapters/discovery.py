@@ -27,11 +27,11 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from pytest_kvconform.adapters import compat
+from pytest_kvconform.adapters.backend_names import ENTRY_POINT_GROUP
 from pytest_kvconform.adapters.omni_plugins import registry_snapshot
 from pytest_kvconform.contract.outcomes import describe_error
 from pytest_kvconform.contract.records import BackendUnderTest
 
-ENTRY_POINT_GROUP = "pytest_kvconform.backends"
 OMNI_MISSING = "vllm-omni not installed"
 # Runs ``fn`` (named ``what``) where the caller can give up on it: None when it returned or
 # raised (this process may do it too), else why not (it hung, or it ended its process).
@@ -149,6 +149,24 @@ def registry_backends(names: Collection[str] | None = None, guard: Guard = ungua
             continue
         found.append(BackendUnderTest(member.name, path, "registry", overridden, cls=cls))
     return found, None
+
+
+def in_tree_name(member: str) -> str | None:
+    """The name a registry member's in-tree class answers to (its ``get_name()``), read
+    from the class the enum names by default, overrides aside: production's own name for
+    the member (``TORCH_SDPA``'s is ``SDPA``).  None where vllm-omni has no such member, or
+    its in-tree class does not import here or names itself no string."""
+    if not compat.omni_installed():
+        return None
+    try:
+        from vllm_omni.diffusion.attention.backends.registry import (
+            DiffusionAttentionBackendEnum,
+        )
+
+        name = import_object(str(DiffusionAttentionBackendEnum[member].value)).get_name()
+    except Exception:  # no such member, or its in-tree class does not import here
+        return None
+    return name if isinstance(name, str) else None
 
 
 def _left_out(name: str, only: Collection[str] | None) -> bool:

@@ -84,6 +84,7 @@ class TruncatesPartialBlock(ReadsThroughTable):
 
 
 class _PagedBackend:
+    NAME = ""  # the name it is registered under (STANDINS), which get_name() answers
     supports_paged_kv = True
     paged_kv_devices: tuple[str, ...] = ("cpu", "cuda")
     NEED = False
@@ -96,7 +97,7 @@ class _PagedBackend:
 
     @classmethod
     def get_name(cls) -> str:
-        return cls.__name__
+        return cls.NAME
 
     @classmethod
     def get_impl_cls(cls) -> type:
@@ -106,37 +107,43 @@ class _PagedBackend:
 class PagedOk(_PagedBackend):
     """Conforming, layer-outermost (LBNHC, LBHNC, LHBNC)."""
 
+    NAME = "PAGED_OK"
+
 
 class PagedOkBlockStride(_PagedBackend):
     """Conforming, block-outermost (BLNHC, BLHNC, BHLNC)."""
 
+    NAME = "PAGED_OK_BS"
     NEED = True
 
 
 class PagedIgnoresTable(_PagedBackend):
+    NAME = "PAGED_NO_TABLE"
     IMPL = IgnoresTable
     MISREADS = True
 
 
 class PagedWrongStride(_PagedBackend):
+    NAME = "PAGED_BAD_STRIDE"
     NEED = True
     IMPL = WrongBlockStride
     MISREADS = True
 
 
 class PagedTruncates(_PagedBackend):
+    NAME = "PAGED_TRUNCATES"
     IMPL = TruncatesPartialBlock
     MISREADS = True
 
 
 class PagedCudaOnly(_PagedBackend):
+    NAME = "PAGED_CUDA_ONLY"
     paged_kv_devices = ("cuda",)
 
 
-STANDINS: dict[str, type[_PagedBackend]] = {
-    "PAGED_OK": PagedOk, "PAGED_OK_BS": PagedOkBlockStride,
-    "PAGED_NO_TABLE": PagedIgnoresTable, "PAGED_BAD_STRIDE": PagedWrongStride,
-    "PAGED_TRUNCATES": PagedTruncates, "PAGED_CUDA_ONLY": PagedCudaOnly}
+STANDINS: dict[str, type[_PagedBackend]] = {cls.NAME: cls for cls in (
+    PagedOk, PagedOkBlockStride, PagedIgnoresTable, PagedWrongStride, PagedTruncates,
+    PagedCudaOnly)}
 # What KV-L7 must find for each: a conforming read passes, a seeded misread fails.
 MISREADS = frozenset(name for name, cls in STANDINS.items() if cls.MISREADS)
 CONFORMING = frozenset(STANDINS) - MISREADS

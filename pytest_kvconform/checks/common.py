@@ -213,7 +213,8 @@ def _read_facts(cls: Any) -> dict[str, Any]:
 
 def call_declaration(clause: str, backend: str, method: Any, *, cache: bool = False,
                      key: tuple[str, str, int] | None = None) -> Any:
-    """``method()`` (a backend's layout declaration), bounded by the per-test budget.
+    """``method()`` (a backend's declaration: its layout need, or its name), bounded by the
+    per-test budget.
 
     Made where this process can give up on it (``workers/isolated.py``: in a child process,
     or announced inside the child running the whole check), so a declaration that blocks,
@@ -233,7 +234,9 @@ def call_declaration(clause: str, backend: str, method: Any, *, cache: bool = Fa
                          cache=cache)
 
 
-_DECLARATIONS = {DECLARATION: "the backend's layout declaration"}
+# What each declaration a backend makes is, for the messages that name a call into it.
+_DECLARATIONS = {DECLARATION: "the backend's layout declaration",
+                 "get_name": "the name the backend declares"}
 
 
 def backend_call_key(backend: str, method: Any, name: str | None = None

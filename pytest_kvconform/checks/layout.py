@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from pytest_kvconform.adapters import compat
+from pytest_kvconform.adapters import compat, discovery
 from pytest_kvconform.adapters.control_plane import production_control_plane_call
 from pytest_kvconform.checks.common import (
     Problems,
@@ -30,7 +30,7 @@ from pytest_kvconform.checks.layout_resolution import (
     resolve,
 )
 from pytest_kvconform.contract import oracle
-from pytest_kvconform.contract.records import BackendUnderTest, Case
+from pytest_kvconform.contract.records import UNREGISTERED_SOURCES, BackendUnderTest, Case
 from pytest_kvconform.workers.devices import Unplaceable
 
 DEFAULT_LAYOUT = "LBNHC"
@@ -77,6 +77,61 @@ def check_kv_l1(backend: BackendUnderTest) -> None:
     if any(a is not first for a in answers):
         raise where.fail("indexes_kv_by_block_stride() changes its answer between "
                          "calls", expected=first, actual=answers)
+
+
+def check_kv_l1_name(backend: BackendUnderTest) -> None:
+    """KV-L1 (name): ``get_name()`` returns, as a ``str``, the name the backend is
+    registered under.
+
+    Production names a backend by it: a layer's backend preference and its implementation
+    overrides are keyed on it, and model code branches on it (``vllm_omni.diffusion.
+    attention.layer``); a backend registered as one name that answers to another is served
+    as that other.
+    """
+    clause = "KV-L1"
+    where = Where(clause, backend=backend.name)
+    cls = backend_class(clause, backend)
+    method = getattr(cls, "get_name", None)
+    if method is None or not callable(method):
+        raise where.fail(f"the backend class has no callable get_name() (found {method!r}); "
+                         "production names a backend by it")
+    try:
+        name = call_declaration(clause, backend.name, method)
+    except HarnessError:
+        raise
+    except Exception as exc:
+        how = ("cannot be called on the class with no arguments" if isinstance(exc, TypeError)
+               else "raised")
+        raise where.fail(f"get_name() {how}: {exc!r}") from exc
+    if type(name) is not str:
+        raise where.fail(f"get_name() returned {name!r} of type {type(name).__name__}, but "
+                         f"the backend is registered as {backend.name!r}; a str is required",
+                         expected="str", actual=type(name).__name__)
+    accepted = registered_names(backend)
+    if accepted is not None and name not in accepted:
+        also = (f" (its registry member's in-tree class answers to {accepted[1]!r})"
+                if len(accepted) > 1 else "")
+        raise where.fail(f"get_name() returned {name!r}, but the backend is registered as "
+                         f"{backend.name!r}{also}: production would serve it as {name!r} "
+                         "(backend preference, implementation overrides)",
+                         expected=accepted[0] if len(accepted) == 1 else list(accepted),
+                         actual=name)
+
+
+def registered_names(backend: BackendUnderTest) -> tuple[str, ...] | None:
+    """The names ``get_name()`` may return: the name the backend is registered under, and
+    for a registry member the one its in-tree class answers to (production's own name for
+    the member: an override may keep it); None where any ``str`` will do, because the name
+    is not a registration (a platform's default backend, which discovery names after its
+    class; a class handed to ``check_backend``)."""
+    if backend.source in UNREGISTERED_SOURCES:
+        return None
+    names = [backend.name]
+    if backend.source == "registry":
+        in_tree = discovery.in_tree_name(backend.name)
+        if in_tree is not None:
+            names.append(in_tree)
+    return tuple(dict.fromkeys(names))
 
 
 def check_kv_l2(backend: BackendUnderTest) -> None:

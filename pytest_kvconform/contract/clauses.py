@@ -286,7 +286,9 @@ def _a(n: int, title: str, cases: Callable[[Case], bool], *args: Arg,
 _A6_ARGS: tuple[Arg, ...] = ("case", "workers_device", "workers_factory", "memory_fraction")
 
 CLAUSES: tuple[Clause, ...] = (
-    _l(1, "Declaration", _c("layout", "check_kv_l1", "backend")),
+    # Two controls: the layout need, and the name the backend answers to.
+    _l(1, "Declaration", _c("layout", "check_kv_l1", "backend"),
+       _c("layout", "check_kv_l1_name", "backend", variant="name")),
     # KV-L2..L4 and KV-L8 touch the class only through its declaration (declaration_only).
     _l(2, "Resolution", _c("layout", "check_kv_l2", "backend", declaration_only=True)),
     _l(3, "Precedence", _c("layout", "check_kv_l3", "backend", declaration_only=True)),

@@ -43,6 +43,14 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
+# BackendUnderTest.source of a class handed to check_backend (named after the class).
+API_SOURCE = "api"
+# The sources whose backend name is no registration of the backend's own: a platform's
+# default outside the registry (discovery names it after its class), and a class handed to
+# check_backend.  KV-L1 holds get_name() to the name only where it is a registration.
+UNREGISTERED_SOURCES = frozenset({"platform", API_SOURCE})
+
+
 @dataclass(frozen=True)
 class BackendUnderTest:
     """One diffusion attention backend as discovered, importable or not.
@@ -53,7 +61,7 @@ class BackendUnderTest:
 
     name: str
     path: str
-    source: str  # "registry", "platform", "hook", "entry-point"
+    source: str  # "registry", "platform", "hook", "entry-point", "api"
     overridden: bool = False
     cls: Any = field(default=None, compare=False, repr=False)
     error: str | None = None

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pytest_kvconform.contract import inert
 from pytest_kvconform.gpu.check_verdicts import CheckVerdict, Verdict
 
 SCHEMA = "kvconform-gpu-check/1"
@@ -48,7 +49,12 @@ def record(*, checks: Sequence[CheckVerdict], host: dict[str, Any],
 
 def _cell(text: object, limit: int = 400) -> str:
     flat = " ".join(str(text).split()).replace("|", "/")
-    return flat if len(flat) <= limit else flat[:limit - 3] + "..."
+    return inert.markdown(flat if len(flat) <= limit else flat[:limit - 3] + "...")
+
+
+def _code(text: str, limit: int) -> str:
+    flat = " ".join(text.split()).replace("|", "/")
+    return inert.code_span(flat if len(flat) <= limit else flat[:limit - 3] + "...")
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -83,11 +89,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Steps", "", "| step | exit | seconds | log | command |",
               "|---|---|---|---|---|"]
     lines += [f"| {s['name']} | {s['returncode']} | {s['seconds']} | {s['log']} | "
-              f"`{_cell(shlex.join(s['argv']), 1000)}` |" for s in report["steps"]]
+              f"{_code(shlex.join(s['argv']), 1000)} |" for s in report["steps"]]
     for s in report["steps"]:
         if s.get("log_tail"):
+            fence = inert.fence_for(s["log_tail"])
             lines += ["", f"{s['name']} ended with exit status {s['returncode']}; the end of "
-                      f"{s['log']}:", "", "```", *s["log_tail"], "```"]
+                      f"{s['log']}:", "", fence,
+                      *(inert.terminal(line) for line in s["log_tail"]), fence]
     return "\n".join(lines) + "\n"
 
 

@@ -39,7 +39,7 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,7 @@ from pytest_kvconform.report.schema import (
     validate_report,
 )
 from pytest_kvconform.report.verdict import (
+    EXIT_NOT_CHECKED,
     EXIT_STACK_REGRESSED,
     FORGIVEN_SKIP_KINDS,
     STATUSES,
@@ -90,12 +91,15 @@ from pytest_kvconform.report.verdict import (
     backend_faults_text,
     bites,
     compute_verdict,
+    describe_altered,
     describe_startup_failure,
     describe_uncovered,
     interruption_of,
     judge,
     left_out,
+    not_checked,
     now_iso,
+    only_not_checked,
     ran_count,
     run_record,
     scope_of,
@@ -113,6 +117,7 @@ from pytest_kvconform.workers.devices import nvidia_smi
 __all__ = [
     "CLAUSE_RE",
     "ERROR_KINDS",
+    "EXIT_NOT_CHECKED",
     "EXIT_STACK_REGRESSED",
     "FORGIVEN_SKIP_KINDS",
     "MATRIX_SCHEMA",
@@ -130,6 +135,7 @@ __all__ = [
     "check_pair",
     "clause_sort_key",
     "compute_verdict",
+    "describe_altered",
     "describe_startup_failure",
     "describe_uncovered",
     "environment_info",
@@ -145,8 +151,10 @@ __all__ = [
     "merged_uncovered",
     "merged_verdict",
     "not_a_fix",
+    "not_checked",
     "now_iso",
     "nvidia_smi",
+    "only_not_checked",
     "page_path",
     "page_run_id",
     "ran_count",
@@ -190,8 +198,12 @@ def build_report(
     strict: bool,
     selection: Mapping[str, Any] | None = None,
     run: Mapping[str, Any] | None = None,
+    altered: Sequence[str] = (),
 ) -> dict[str, Any]:
     """A validated report; results sorted by nodeid so ``-n 2`` and ``-n 0`` agree.
+
+    ``altered``: what of the suite's own code changed after start-up (``integrity``;
+    recorded, and the verdict is ``not qualified``).
 
     ``backends`` are :class:`~pytest_kvconform.contract.records.BackendUnderTest` records or
     dicts with the schema's keys.  ``options`` replaces ``environment["options"]``
@@ -206,7 +218,7 @@ def build_report(
     run_rec = jsonable(dict(run)) if run is not None else run_record()
     sel = jsonable(dict(selection)) if selection is not None else None
     startup = startup_failures(env.get("plugins"))
-    verdict, uncovered = judge(rows, strict, sel, run_rec, startup)
+    verdict, uncovered = judge(rows, strict, sel, run_rec, startup, altered)
     report = {
         "schema": SCHEMA,
         "contract": CONTRACT_VERSION,
@@ -221,6 +233,8 @@ def build_report(
         "startup_failures": startup,
         "stack": stack_record(rows),
     }
+    if altered:
+        report["integrity"] = list(altered)
     validate_report(report)
     return report
 

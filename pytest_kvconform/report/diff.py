@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_kvconform.contract import inert
 from pytest_kvconform.contract.clauses import clause_sort_key
 from pytest_kvconform.report.matrix import describe_leg, leg_outcome, short_reason, stack_label
 from pytest_kvconform.report.render import UPSTREAM_ROW, md_escape
@@ -221,8 +222,9 @@ def _individual(changes: Sequence[Change]) -> list[str]:
     lines = []
     for c in changes:
         note = f" ({c.note})" if c.note else ""
-        lines.append(f"- `{c.test}` ({c.clause}, {_row(c)}): {c.before or 'no result'} -> "
-                     f"{c.after or 'no result'}{note}{_because(c.reason)}")
+        lines.append(f"- {inert.code_span(c.test)} ({md_escape(c.clause)}, {md_escape(_row(c))}): "
+                     f"{md_escape(c.before or 'no result')} -> "
+                     f"{md_escape(c.after or 'no result')}{md_escape(note)}{_because(c.reason)}")
     return lines
 
 
@@ -239,8 +241,9 @@ def _grouped(changes: Sequence[Change]) -> list[str]:
         rows = sorted({_row(c) for c in group})
         shown = ", ".join(rows[:6]) + (f", ... ({len(rows)} rows)" if len(rows) > 6 else "")
         n = len(group)
-        lines.append(f"- {clause} ({n} result{'s' if n != 1 else ''}; {shown}): {move}"
-                     f"{f' ({note})' if note else ''}{_because(reason)}")
+        lines.append(f"- {md_escape(clause)} ({n} result{'s' if n != 1 else ''}; "
+                     f"{md_escape(shown)}): {md_escape(move)}"
+                     f"{md_escape(f' ({note})') if note else ''}{_because(reason)}")
     return lines
 
 
@@ -341,5 +344,5 @@ def render_matrix_diff(diff: MatrixDiff, a_name: str, b_name: str) -> str:
     if diff.changes:
         lines += ["## Legs", "", *[f"- {md_escape(c)}" for c in diff.changes], ""]
     for name, leg_diff in diff.legs.items():
-        lines += [f"## {name}", "", *render_diff_lines(leg_diff)]
+        lines += [f"## {md_escape(name)}", "", *render_diff_lines(leg_diff)]
     return "\n".join(lines).rstrip() + "\n"

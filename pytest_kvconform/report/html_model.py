@@ -390,7 +390,8 @@ def verdict_view(report: Mapping[str, Any]) -> Verdict:
     results they name."""
     results = report["results"]
     notes = verdict_notes(report["verdict"], report["uncovered"], report["selection"],
-                          report["run"], results, report["startup_failures"])
+                          report["run"], results, report["startup_failures"],
+                          report.get("integrity", []))
     judged = in_scope(results, scope_of(report["selection"]))
     roots = []
     root = clauses.ROOT_CLAUSE

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pytest_kvconform.contract import CONTRACT_VERSION
+from pytest_kvconform.contract import CONTRACT_VERSION, inert
 from pytest_kvconform.contract.clauses import clause_sort_key
 from pytest_kvconform.report.render import (
     UPSTREAM_ROW,
@@ -23,6 +23,7 @@ from pytest_kvconform.report.render import (
     cell_text,
     markdown_table,
     matrix_rows,
+    md_escape,
     row_name,
     worst_status,
 )
@@ -398,11 +399,12 @@ def render_matrix_markdown(matrix: Mapping[str, Any]) -> str:
     lines = [
         "# pytest-kvconform release matrix",
         "",
-        f"**Verdict: {verdict_line(matrix)}** (every leg must qualify)",
+        f"**Verdict: {md_escape(verdict_line(matrix))}** (every leg must qualify)",
         "",
-        f"Contract {matrix['contract']}, schema `{matrix['schema']}`, run `{run['id']}` started "
-        f"{run['started']}, {run['duration_s']:.0f} s."
-        + (f" Interrupted: {run['interruption']}." if run["interruption"] else ""),
+        f"Contract {md_escape(matrix['contract'])}, schema {inert.code_span(matrix['schema'])}, "
+        f"run {inert.code_span(run['id'])} started {md_escape(run['started'])}, "
+        f"{run['duration_s']:.0f} s."
+        + (f" Interrupted: {md_escape(run['interruption'])}." if run["interruption"] else ""),
         "",
         "## Legs",
         "",

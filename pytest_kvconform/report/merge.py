@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pytest_kvconform.contract import inert
 from pytest_kvconform.contract.clauses import clause_sort_key
 from pytest_kvconform.report.render import (
     Footnotes,
@@ -129,9 +130,10 @@ def render_merged_markdown(named: Sequence[tuple[str, Mapping[str, Any]]]) -> st
     lines = [
         "# pytest-kvconform merged qualification matrix",
         "",
-        f"**Verdict: {overall}** (every host must qualify)",
+        f"**Verdict: {md_escape(overall)}** (every host must qualify)",
         "",
-        f"Contract {reports[0]['contract']}, schema `{reports[0]['schema']}`.",
+        f"Contract {md_escape(reports[0]['contract'])}, schema "
+        f"{inert.code_span(reports[0]['schema'])}.",
         "",
         "## Hosts",
         "",

@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from pytest_kvconform.contract import inert
 from pytest_kvconform.contract.clauses import clause_sort_key
 from pytest_kvconform.report.result_notes import result_notes
 from pytest_kvconform.report.verdict import (
@@ -128,7 +129,8 @@ class Footnotes:
         return f"[^{number}]"
 
     def lines(self) -> list[str]:
-        return [f"[^{n}]: {word}: {reason}" for (word, reason), n in self._numbers.items()]
+        return [f"[^{n}]: {md_escape(word)}: {md_escape(reason)}"
+                for (word, reason), n in self._numbers.items()]
 
 
 def _cell(results: Sequence[Mapping[str, Any]], notes: Footnotes) -> str:
@@ -151,8 +153,9 @@ def cell_text(status: str, count: int, total: int) -> str:
 
 
 def md_escape(text: Any) -> str:
-    """Text safe in a Markdown table cell or list item: pipes escaped, one line."""
-    return "" if text is None else str(text).replace("|", "\\|").replace("\n", " ")
+    """Text safe in a Markdown table cell or list item (:func:`inert.markdown`): control
+    characters and markup escaped, one line."""
+    return inert.markdown(text)
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
@@ -196,8 +199,8 @@ def device_text(device: Mapping[str, Any]) -> str:
 def _verdict_line(report: Mapping[str, Any]) -> str:
     mode = "strict" if report["summary"]["strict"] else "non-strict"
     scope = scope_of(report["selection"])
-    whom = f" for {', '.join(scope)}" if scope else ""
-    return f"**Verdict{whom}: {report['verdict']}** ({mode})"
+    whom = f" for {md_escape(', '.join(scope))}" if scope else ""
+    return f"**Verdict{whom}: {md_escape(report['verdict'])}** ({mode})"
 
 
 def _subject_lines(report: Mapping[str, Any]) -> list[str]:
@@ -213,7 +216,7 @@ def _subject_lines(report: Mapping[str, Any]) -> list[str]:
     lines = ["", "## Subjects", ""]
     scope = scope_of(report["selection"])
     lines.append("The verdict speaks for " + (
-        f"{', '.join(scope)}: its own results (the backend's subject)." if scope else
+        f"{md_escape(', '.join(scope))}: its own results (the backend's subject)." if scope else
         "the whole deployment: every result, the backends' and the stack's."))
     lines.append("")
     lines += markdown_table(["subject", "results"], [
@@ -221,8 +224,8 @@ def _subject_lines(report: Mapping[str, Any]) -> list[str]:
         for subject, by in sorted(counts.items())])
     stack = report.get("stack") or stack_record(results)
     lives = stack.get("findings") or stack_record(results)["findings"]
-    lines += ["", f"The stack (vLLM {env['vllm'] or 'not installed'}, vllm-omni "
-              f"{env['vllm_omni'] or 'not installed'}): {len(lives['persists'])} known "
+    lines += ["", f"The stack (vLLM {md_escape(env['vllm'] or 'not installed')}, vllm-omni "
+              f"{md_escape(env['vllm_omni'] or 'not installed')}): {len(lives['persists'])} known "
               f"findings persist ({len(stack['known'])} results), {len(lives['fixed'])} "
               f"fixed, {len(lives['new'])} new (regressions no known finding describes); "
               f"{len(stack['fixed'])} known finding results no longer fail."]
@@ -233,11 +236,12 @@ def _subject_lines(report: Mapping[str, Any]) -> list[str]:
             ("New: regressions no known finding describes", lives["new"]),
             ("Known finding results no longer failing", stack["fixed"])):
         if items:
-            lines += ["", f"{title}:", ""] + [f"- `{item}`" for item in items]
+            lines += ["", f"{title}:", ""] + [f"- {inert.code_span(item)}" for item in items]
     for backend in scope or ():
         found = bites(results, backend)
         if found:
-            lines += ["", f"The stack's findings that bite {backend} in production:", ""]
+            lines += ["", f"The stack's findings that bite {md_escape(backend)} in production:",
+                      ""]
             lines += [f"- {md_escape(f)}" for f in found]
     return lines
 
@@ -246,9 +250,14 @@ def _completeness_lines(report: Mapping[str, Any]) -> list[str]:
     """Why a verdict is not qualified for all the results say, partial or interrupted, and
     the harness errors, as Markdown lines."""
     lines = []
+    altered = report.get("integrity") or []
+    if altered:
+        lines += ["", "The judge was altered after start-up: the suite's own code changed while "
+                  "a backend's code ran in the judging process, so nothing here is judged:", ""]
+        lines += [f"- {md_escape(change)}" for change in altered]
     interruption = interruption_of(report["run"], report["selection"], report["results"])
     if interruption:
-        lines += ["", f"Interrupted: {interruption}."]
+        lines += ["", f"Interrupted: {md_escape(interruption)}."]
     startup = report["startup_failures"]
     if startup:
         lines += ["", "Production would not start: vLLM's and vllm-omni's plugin loaders call "
@@ -258,20 +267,20 @@ def _completeness_lines(report: Mapping[str, Any]) -> list[str]:
     faulted = [r for r in report["results"] if r.get("seeded_fault")]
     faults = report["environment"].get("seeded_faults")
     if faults:
-        lines += ["", f"Seeded worker fault {', '.join(f'`{f}`' for f in faults)} "
+        lines += ["", f"Seeded worker fault {', '.join(inert.code_span(f) for f in faults)} "
                   f"(`$KVCONFORM_WORKER_FAULT`) was active: {len(faulted)} result(s) drove KV-A "
                   "workers under it (marked in the matrix's footnotes); they speak for the "
                   "fault, not the backend, and qualify nothing."]
     missing = left_out(report["selection"])
     if missing:
-        lines += ["", "Left out of the matrix: " + "; ".join(missing) + "."]
+        lines += ["", "Left out of the matrix: " + md_escape("; ".join(missing)) + "."]
     kinds: dict[str, int] = {}
     for r in report["results"]:
         if r["status"] == "error":
             kind = r.get("error_kind") or "harness"
             kinds[kind] = kinds.get(kind, 0) + 1
     if kinds:
-        counts = ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
+        counts = md_escape(", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items())))
         lines += ["", f"Harness errors (E; the harness failed, not the backend): {counts}."]
     return lines
 
@@ -291,8 +300,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "",
         _verdict_line(report),
         "",
-        f"Contract {report['contract']}, schema `{report['schema']}`, host `{env['host']}`, "
-        f"run `{report['run']['id']}` started {report['run']['started']}.",
+        f"Contract {md_escape(report['contract'])}, schema {inert.code_span(report['schema'])}, "
+        f"host {inert.code_span(env['host'])}, run {inert.code_span(report['run']['id'])} "
+        f"started {md_escape(report['run']['started'])}.",
         "",
         "## Matrix",
         "",
@@ -311,7 +321,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines += [f"- {md_escape(describe_uncovered(e))}" for e in report["uncovered"]]
     if report["summary"]["blocking"]:
         lines += ["", "Blocking results:", ""]
-        lines += [f"- `{nodeid}`" for nodeid in report["summary"]["blocking"]]
+        lines += [f"- {inert.code_span(nodeid)}" for nodeid in report["summary"]["blocking"]]
     by_control = result_notes(in_scope(report["results"], scope_of(report["selection"])))
     if by_control:
         lines += ["", "By control (one suite test each):", ""]
@@ -352,13 +362,13 @@ def _import_log_lines(messages: Sequence[Mapping[str, Any]] | None) -> list[str]
     terminal's header): every message, verbatim."""
     if not messages:
         return []
-    fence = "````"  # longer than any fence a message could hold, in practice
+    fence = inert.fence_for(m["text"] for m in messages)  # longer than any run inside
     lines = ["", "### Output of the serving stack's imports", "",
              f"{len(messages)} message{'s' if len(messages) != 1 else ''} printed while "
              f"vLLM / vllm-omni were imported for discovery: the installed stack's own, not "
              f"findings of this run.", "", fence + "text"]
     for message in messages:
-        lines += str(message["text"]).splitlines()
+        lines += inert.terminal(message["text"]).splitlines()
     return [*lines, fence]
 
 
@@ -367,7 +377,7 @@ def _worker_log_lines(messages: Sequence[Mapping[str, Any]] | None) -> list[str]
     out of the terminal): every message, verbatim, after the process that printed it."""
     if not messages:
         return []
-    fence = "````"
+    fence = inert.fence_for(f"{m.get('source')} {m['text']}" for m in messages)
     lines = ["", "### Output of production's KV-A workers", "",
              f"{len(messages)} message{'s' if len(messages) != 1 else ''} printed by "
              f"production's KV-A worker processes and the fork server, and by its code the "
@@ -375,7 +385,7 @@ def _worker_log_lines(messages: Sequence[Mapping[str, Any]] | None) -> list[str]
              f"run.", "", fence + "text"]
     for message in messages:
         source = f"[{message['source']}] " if message.get("source") else ""
-        lines += (source + str(message["text"])).splitlines()
+        lines += inert.terminal(source + str(message["text"])).splitlines()
     return [*lines, fence]
 
 
@@ -387,9 +397,10 @@ def _plugin_lines(plugins: Mapping[str, Any] | None,
         return []
     env = plugins.get("vllm_plugins")
     lines = ["", "## Plugins", "",
-             f"Mode `{plugins.get('mode')}` (`VLLM_PLUGINS` "
-             f"{'unset' if env is None else repr(env)}); Omni platform "
-             f"`{plugins.get('platform')}` ({plugins.get('platform_source') or '-'}).", ""]
+             f"Mode {inert.code_span(plugins.get('mode'))} (`VLLM_PLUGINS` "
+             f"{'unset' if env is None else md_escape(repr(env))}); Omni platform "
+             f"{inert.code_span(plugins.get('platform'))} "
+             f"({md_escape(plugins.get('platform_source') or '-')}).", ""]
     lines += markdown_table(["group", "plugin", "distribution", "status", "re-pointed", "error"],
                     [[p["group"], p["name"], p["dist"], p["status"],
                       ", ".join(p["changed"]) or "-", p["error"]]

@@ -56,8 +56,9 @@ TOP_KEYS = (
 # stack (verdict.finding_lifetimes): "persists" (the entries, by id, whose failure the stack
 # still shows), "fixed" (the entries whose every result passed) and "new" (nodeids of the
 # stack's failures no entry describes).  "findings" is optional: reports written before it
-# validate without it.
-TOP_OPTIONAL_KEYS = ("stack",)
+# validate without it.  integrity: what of the suite's own code changed after start-up (the
+# verdict is then not qualified).
+TOP_OPTIONAL_KEYS = ("stack", "integrity")
 RUN_KEYS = ("id", "started", "duration_s", "interruption")
 SELECTION_KEYS = (
     "keyword", "markexpr", "paths", "backends", "excluded_backends", "collected", "selected",
@@ -195,10 +196,16 @@ def validate_report(obj: Any) -> None:
     if obj["verdict"] not in VERDICTS:
         raise ReportError("$.verdict", f"expected one of {VERDICTS}, got {obj['verdict']!r}")
     startup = obj["startup_failures"]
-    verdict, uncovered = judge(obj["results"], strict, obj["selection"], obj["run"], startup)
+    altered = obj.get("integrity", [])
+    expect_type(altered, "$.integrity", list)
+    for i, change in enumerate(altered):
+        expect_type(change, f"$.integrity[{i}]", str)
+    verdict, uncovered = judge(obj["results"], strict, obj["selection"], obj["run"], startup,
+                               altered)
     if obj["verdict"] != verdict:
         mode = "strict" if strict else "non-strict"
-        why = verdict_text(verdict, [], obj["selection"], obj["run"], obj["results"], startup)
+        why = verdict_text(verdict, [], obj["selection"], obj["run"], obj["results"], startup,
+                           altered)
         raise ReportError("$.verdict", f"{obj['verdict']!r} but the results give {verdict!r} "
                                        f"({mode})" + (f": {why}" if why != verdict else ""))
     expect_type(obj["uncovered"], "$.uncovered", list)

@@ -23,10 +23,18 @@ still wins: nothing about an unfinished run is certified).
 
 What a run left unchecked is listed as ``uncovered`` in both modes
 (:func:`uncovered_entries`): a backend whose whole row was skipped (one that does not
-import), and each clause skipped for any reason but "not applicable" (missing
-hardware, a skip the xfails file declares, a missing package), each with its kind,
-the xfails entry that declared it, and its reason.  A qualified verdict thus never
+import: "not checked"), and each clause skipped for any reason but "not applicable"
+(missing hardware, a skip the xfails file declares, a missing package), each with its
+kind, the xfails entry that declared it, and its reason.  A qualified verdict thus never
 hides what it did not check.
+
+Nothing ran, nothing qualified (:func:`not_checked`): a backend none of whose own results
+ran (every one skipped, not all of them as not applicable) is never qualified, strict or
+not.  A backend-scoped run naming it is ``not qualified`` and exits
+:data:`EXIT_NOT_CHECKED`; so is a whole deployment holding it, unless a known finding
+declares each of its skips (the deployment's known findings say it cannot run on this
+host: SAGE_ATTN_3 without its kernel package), and its line then still says "not
+checked", with the reason.
 
 Each result has a subject (:data:`pytest_kvconform.contract.clauses.Subject`): the backend
 under test, or the serving stack.  A backend-scoped run (``--kv-backend`` left backends out)
@@ -37,6 +45,10 @@ reported as depending on it
 (:func:`~pytest_kvconform.report.result_notes.dependents`), and the verdict names KV-L1
 first; :mod:`~pytest_kvconform.report.result_notes` words what speaks against
 qualification.
+
+A run whose judge was altered (``integrity``: the suite's own checks, oracle or verdict
+code replaced after start-up, by a backend's code that ran in the judging process) is
+``not qualified`` whatever the results, and says what changed.
 
 A deployment that production could not start is ``not qualified`` whatever the
 results (:func:`startup_failures`): a general plugin whose hook raises stops every
@@ -162,13 +174,15 @@ def _uncovered_entry(scope: str, results: Sequence[Mapping[str, Any]]) -> dict[s
 
 
 def describe_uncovered(entry: Mapping[str, Any]) -> str:
-    """One entry in words: ``SAGE_ATTN_3, every clause (42 results; backend skip, declared:
-    ...)`` or ``KV-L7 for FLASH_ATTN (1 result; hardware skip: needs CUDA)``."""
+    """One entry in words: ``SAGE_ATTN_3: not checked (every clause skipped, 42 results;
+    backend skip, declared: ...)`` or ``KV-L7 for FLASH_ATTN (1 result; hardware skip:
+    needs CUDA)``."""
     n = entry["results"]
     how = f"{entry['kind'] or 'unclassified'} skip" + (", declared" if entry["declared"] else "")
     counted = f"{n} result{'s' if n != 1 else ''}"
     if entry["scope"] == "backend":
-        return f"{entry['backend']}, every clause ({counted}; {how}: {entry['reason']})"
+        return (f"{entry['backend']}: not checked (every clause skipped, {counted}; {how}: "
+                f"{entry['reason']})")
     where = ", ".join(entry["clauses"]) + (f" for {entry['backend']}" if entry["backend"] else "")
     return f"{where} ({counted}; {how}: {entry['reason']})"
 
@@ -177,6 +191,14 @@ _FAILED = ("failed", "error")
 
 # The keys of one ``startup_failures`` entry, in the order they are written.
 STARTUP_FAILURE_KEYS = ("plugin", "group", "distribution", "error")
+
+
+def describe_altered(altered: Sequence[str], limit: int = 5) -> str:
+    """``the judge was altered after start-up (...): X replaced by y; ... and N more``."""
+    shown = "; ".join(altered[:limit])
+    more = f"; and {len(altered) - limit} more" if len(altered) > limit else ""
+    return ("the judge was altered after start-up, so nothing here is judged (a backend's "
+            f"code ran in the judging process): {shown}{more}")
 
 
 def startup_failures(plugins: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -315,6 +337,51 @@ def _subject(result: Mapping[str, Any]) -> str | None:
     return result.get("subject") or clauses.subject_of(test_function(str(result["nodeid"])))
 
 
+def not_checked(results: Iterable[Mapping[str, Any]], *,
+                declared_ok: bool) -> list[dict[str, Any]]:
+    """The backends none of whose own results ran, each as an uncovered entry of scope
+    ``backend`` (:func:`describe_uncovered` words it: ``X: not checked (...)``).
+
+    A backend's own results are those of its ``backend`` subject; it is not checked when
+    every one was skipped, not all of them as not applicable (a selection holding nothing
+    applicable to it checked nothing, and claims nothing).  With ``declared_ok`` (a whole
+    deployment), a backend whose every skip a known finding declares is left out: the
+    deployment's known findings say it cannot run here.
+    """
+    rows: dict[str, list[Mapping[str, Any]]] = {}
+    for r in results:
+        if r.get("backend") and _subject(r) == "backend":
+            rows.setdefault(str(r["backend"]), []).append(r)
+    found = []
+    for name in sorted(rows):
+        mine = rows[name]
+        if not all(r.get("status") == "skipped" for r in mine) or \
+                not any(_unchecked(r) for r in mine):
+            continue
+        if declared_ok and all(r.get("xfail") for r in mine):
+            continue
+        found.append(_uncovered_entry("backend", [r for r in mine if _unchecked(r)]))
+    return found
+
+
+def only_not_checked(results: Sequence[Mapping[str, Any]], strict: bool,
+                     selection: Mapping[str, Any] | None, run: Mapping[str, Any],
+                     startup: Sequence[Mapping[str, Any]] = (),
+                     altered: Sequence[str] = ()) -> bool:
+    """Whether the verdict is ``not qualified`` for backends that were not checked and for
+    nothing else (no failure, error, xpass or unforgiven skip of another backend or of
+    the stack; no start-up failure, no interruption; in strict mode, nothing left out of
+    the matrix): the run exits :data:`EXIT_NOT_CHECKED`."""
+    scope = scope_of(selection)
+    judged = in_scope(results, scope)
+    unchecked = {e["backend"] for e in not_checked(judged, declared_ok=scope is None)}
+    if not unchecked or startup or altered or interruption_of(run, selection, results):
+        return False
+    if strict and left_out(_scoped_selection(selection)):
+        return False
+    return not any(_blocks(r, strict) for r in judged if r.get("backend") not in unchecked)
+
+
 def _scoped_selection(selection: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """What a backend-scoped run left out, less the backends it was not asked about."""
     if scope_of(selection) is None or selection is None:
@@ -325,19 +392,22 @@ def _scoped_selection(selection: Mapping[str, Any] | None) -> Mapping[str, Any] 
 def judge(
     results: Sequence[Mapping[str, Any]], strict: bool, selection: Mapping[str, Any] | None,
     run: Mapping[str, Any], startup: Sequence[Mapping[str, Any]] = (),
+    altered: Sequence[str] = (),
 ) -> tuple[str, list[dict[str, Any]]]:
     """The report's verdict and uncovered entries: results, start-up, completeness,
     interruption; for a backend-scoped run, of its backends' own results (:func:`in_scope`).
 
     ``interrupted`` > ``not qualified`` > ``partial`` > ``qualified``; ``startup``
-    (:func:`startup_failures`) makes any finished run ``not qualified``.
+    (:func:`startup_failures`) makes any finished run ``not qualified``, and so do a
+    judge ``altered`` after start-up and a backend that was not checked
+    (:func:`not_checked`).
     """
     scope = scope_of(selection)
     judged = in_scope(results, scope)
     verdict, uncovered = compute_verdict(judged, strict)
     if interruption_of(run, selection, results):
         verdict = "interrupted"
-    elif startup:
+    elif startup or altered or not_checked(judged, declared_ok=scope is None):
         verdict = "not qualified"
     elif scope is not None and not judged:  # nothing of the named backends' own was checked
         verdict = "partial"
@@ -423,6 +493,9 @@ def stack_text(results: Sequence[Mapping[str, Any]]) -> str:
 # The exit status of a backend-scoped run whose backends conform while the stack shows
 # what its known findings do not describe (pytest's own statuses are 0-5).
 EXIT_STACK_REGRESSED = 6
+# The exit status of a run whose only fault is a backend that was not checked (none of its
+# own results ran: it does not import, or every clause was skipped), strict or not.
+EXIT_NOT_CHECKED = 7
 
 
 def stack_differs(results: Sequence[Mapping[str, Any]], strict: bool) -> bool:
@@ -451,20 +524,24 @@ def bites(results: Sequence[Mapping[str, Any]], backend: str) -> list[str]:
 def verdict_text(verdict: str, uncovered: Sequence[Mapping[str, Any]],
                  selection: Mapping[str, Any] | None, run: Mapping[str, Any],
                  results: Sequence[Mapping[str, Any]],
-                 startup: Sequence[Mapping[str, Any]] = ()) -> str:
-    """One line: the verdict and what it rests on (what production could not start, what
-    was left out or unchecked, why it stopped)."""
-    notes = verdict_notes(verdict, uncovered, selection, run, results, startup)
+                 startup: Sequence[Mapping[str, Any]] = (),
+                 altered: Sequence[str] = ()) -> str:
+    """One line: the verdict and what it rests on (a judge altered after start-up, what
+    production could not start, what was left out or unchecked, why it stopped)."""
+    notes = verdict_notes(verdict, uncovered, selection, run, results, startup, altered)
     return verdict + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def verdict_notes(verdict: str, uncovered: Sequence[Mapping[str, Any]],
                   selection: Mapping[str, Any] | None, run: Mapping[str, Any],
                   results: Sequence[Mapping[str, Any]],
-                  startup: Sequence[Mapping[str, Any]] = ()) -> list[str]:
+                  startup: Sequence[Mapping[str, Any]] = (),
+                  altered: Sequence[str] = ()) -> list[str]:
     """What the verdict rests on, one note each, root causes first: the verdict line's
     parenthesis (:func:`verdict_text`), and the reasons a report page lists under it."""
     notes = []
+    if altered:
+        notes.append(describe_altered(altered))
     if verdict == "interrupted":
         notes.append(f"interrupted: {interruption_of(run, selection, results)}")
     if startup:
@@ -474,6 +551,10 @@ def verdict_notes(verdict: str, uncovered: Sequence[Mapping[str, Any]],
     results = in_scope(results, scope)
     if scope is not None and not results:
         notes.append(f"no result of {', '.join(scope)}'s own ran")
+    unchecked = not_checked(results, declared_ok=scope is None)
+    notes += [describe_uncovered(e) for e in unchecked]
+    named = {e["backend"] for e in unchecked}
+    uncovered = [e for e in uncovered if not (e["scope"] == "backend" and e["backend"] in named)]
     notes += result_notes(results)
     missing = left_out(_scoped_selection(selection))
     if missing and verdict != "qualified":

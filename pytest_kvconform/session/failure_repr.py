@@ -1,4 +1,5 @@
-"""How a suite test's clause failure reads: the verdict, and the line that reached it.
+"""How a suite test's clause failure reads: the verdict, and the line that reached it; and
+every text its report shows, inert.
 
 A :class:`ClauseFailure` is the contract's verdict, not a bug in the code that raised it:
 its message names the clause, the backend, the case, what was expected and what happened.
@@ -14,11 +15,13 @@ harness error, a plugin bug) keeps its traceback.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pytest_kvconform.contract import inert
 from pytest_kvconform.contract.outcomes import ClauseFailure
 from pytest_kvconform.workers.isolated import RAISED_AT_ATTR
 
@@ -56,3 +59,36 @@ def concise(item: pytest.Item) -> None:
         return rendered
 
     item.repr_failure = repr_failure  # type: ignore[method-assign]  # this item's own
+
+
+def make_inert(report: pytest.TestReport) -> None:
+    """Every text of a suite test's report (its failure or skip, the output it captured, its
+    known finding's reason) inert (:func:`inert.terminal`), before the terminal, JUnit XML,
+    xdist or the report's rows read it: a message quotes what a backend returned, raised or
+    printed.  pytest's failure representation is a tree of dataclasses holding strings;
+    colour is added when it is written, so it survives."""
+    report.longrepr = _inert(report.longrepr, 0)
+    report.sections = [(inert.terminal(title), inert.terminal(text))
+                       for title, text in report.sections]
+    wasxfail = getattr(report, "wasxfail", None)
+    if isinstance(wasxfail, str):
+        report.wasxfail = inert.terminal(wasxfail)
+
+
+def _inert(value: Any, depth: int) -> Any:
+    if isinstance(value, str):
+        return inert.terminal(value)
+    if depth > 32:
+        return value
+    if isinstance(value, tuple):
+        return tuple(_inert(item, depth + 1) for item in value)
+    if isinstance(value, list):
+        return [_inert(item, depth + 1) for item in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            try:
+                object.__setattr__(value, field.name,
+                                   _inert(getattr(value, field.name), depth + 1))
+            except (AttributeError, TypeError):  # a field that is not an attribute
+                continue
+    return value

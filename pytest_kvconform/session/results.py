@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.adapters import run_env
+from pytest_kvconform.contract import inert
 from pytest_kvconform.contract.clauses import ROOT_CLAUSE, subject_of
 from pytest_kvconform.contract.outcome_rule import ERROR_KIND_PROPERTY, harness_kind
 from pytest_kvconform.contract.outcomes import ErrorKind, bracketed
@@ -35,6 +36,7 @@ from pytest_kvconform.contract.records import (
     SEEDED_FAULT_PROPERTY,
     ResultRow,
 )
+from pytest_kvconform.session import failure_repr
 from pytest_kvconform.session.options import Options
 from pytest_kvconform.session.result_rows import (
     prefix_crash,
@@ -115,17 +117,23 @@ class KvResults:
         report = yield
         if not any(k == "kv_clause" for k, _ in item.user_properties):
             return report
+        self._classify(item, call, report)
+        failure_repr.make_inert(report)
+        return report
+
+    def _classify(self, item: pytest.Item, call: pytest.CallInfo[None],
+                  report: pytest.TestReport) -> None:
         self._mark_seeded_fault(item, report)
         if report.skipped and getattr(report, "wasxfail", None) is None:
             known_skip(report, self.selection.item_entries.get(item.nodeid, []))
             _skip_at_suite_id(report)
-            return report
+            return
         if call.excinfo is None:
-            return report
+            return
         if call.when == "call":
             # Anything in the test body, not only the check run_check wraps: a worker
             # that cannot start for the test is the harness too.
-            kind = dict(report.user_properties).get(ERROR_KIND_PROPERTY)
+            kind: Any = dict(report.user_properties).get(ERROR_KIND_PROPERTY)
             if kind is None and (found := harness_kind(call.excinfo.value)) is not None:
                 kind = found.value
                 # On the item too: the teardown report (JUnit XML's properties) copies it.
@@ -148,7 +156,6 @@ class KvResults:
             known_failure(report, entries, failure_problems(call.excinfo.value))
         if report.failed:
             self._depends_on_declaration(item, report)
-        return report
 
     def _caused_by_backend(self, item: pytest.Item, report: pytest.TestReport,
                            exc: BaseException) -> None:
@@ -264,9 +271,9 @@ class KvResults:
         tr = self.config.pluginmanager.get_plugin("terminalreporter")
         for line in filter(None, lines):
             if tr is not None:
-                tr.write_line(line)
+                tr.write_line(inert.terminal(line))
             else:  # interrupted before the terminal reporter was configured
-                print(line, file=sys.stdout, flush=True)
+                print(inert.terminal(line), file=sys.stdout, flush=True)
 
     # -- at the end -------------------------------------------------------------
 
@@ -275,7 +282,7 @@ class KvResults:
 
         if getattr(self.config, "workerinput", None) is not None:
             return
-        tr = terminalreporter
+        tr = _InertWriter(terminalreporter)
         if self.selection.usage_error:  # an xdist worker's; pytest prints its own like this
             tr.write_line(f"ERROR: {self.selection.usage_error}", red=True, bold=True)
             return
@@ -349,12 +356,14 @@ class KvResults:
             interruption=self._interruption(session, exitstatus))
         plugins = self.selection.plugins_record()
         startup = report_mod.startup_failures(plugins)
-        verdict, uncovered = report_mod.judge(results, strict, selection, run, startup)
+        altered = self.selection.judge_altered()  # before the verdict: the code that judges
+        verdict, uncovered = report_mod.judge(results, strict, selection, run, startup, altered)
         scope = report_mod.scope_of(selection)
         self.verdict_line = (f" for {', '.join(scope)}" if scope else "") + ": " + \
-            report_mod.verdict_text(verdict, uncovered, selection, run, results, startup)
+            report_mod.verdict_text(verdict, uncovered, selection, run, results, startup,
+                                    altered)
         self.stack_lines = self._stack_lines(results, scope)
-        failed = self._exit_status(verdict, scope, results, bool(startup))
+        failed = self._exit_status(verdict, scope, results, startup, selection, run, altered)
         from pytest_kvconform.report import job_summary
 
         summary = job_summary.wanted()
@@ -374,7 +383,8 @@ class KvResults:
             environment[WORKER_LOG_KEY] = worker_log
         self.built_report = report_mod.build_report(
             environment=environment, backends=self.selection.backend_dicts(), results=results,
-            options=self.options.raw, strict=strict, selection=selection, run=run)
+            options=self.options.raw, strict=strict, selection=selection, run=run,
+            altered=altered)
         if self.options.report is None:
             self._append_summary(None)
             return failed
@@ -405,16 +415,24 @@ class KvResults:
         self.report_line = "\n".join(filter(None, (self.report_line, line)))
 
     def _exit_status(self, verdict: str, scope: list[str] | None,
-                     results: Sequence[dict[str, Any]], startup: bool) -> int | None:
-        """1 for a plugin that stops production, or strict and not qualified; in a
+                     results: Sequence[dict[str, Any]], startup: Sequence[dict[str, Any]],
+                     selection: dict[str, Any], run: dict[str, Any],
+                     altered: Sequence[str]) -> int | None:
+        """1 for a judge altered after start-up, a plugin that stops production, or strict
+        and not qualified;
+        :data:`~pytest_kvconform.report.verdict.EXIT_NOT_CHECKED` when a backend was not
+        checked and nothing else keeps the run from qualifying, strict or not; in a
         backend-scoped run, 1 when its backends fail, else
         :data:`~pytest_kvconform.report.verdict.EXIT_STACK_REGRESSED` when only the stack
         shows something new, else 0 (unless the repository's own tests failed)."""
         from pytest_kvconform.report import build as report_mod
 
         strict = self.options.strict
-        if startup:
+        if startup or (altered and verdict != "interrupted"):
             return pytest.ExitCode.TESTS_FAILED
+        if not self.other_failures and report_mod.only_not_checked(results, strict, selection,
+                                                                   run, startup):
+            return report_mod.EXIT_NOT_CHECKED
         if scope is None or verdict == "interrupted":
             return pytest.ExitCode.TESTS_FAILED if strict and verdict != "qualified" else None
         if verdict == "not qualified" or (strict and verdict != "qualified"):
@@ -480,3 +498,17 @@ def _skip_at_suite_id(report: pytest.TestReport) -> None:
             report.longrepr = (report.nodeid.partition("::")[0], line, reason)
 
 
+
+
+class _InertWriter:
+    """The terminal reporter, writing each line of the run's summary inert: the lines name
+    backends, quote their errors and read the known-findings file."""
+
+    def __init__(self, terminalreporter: Any) -> None:
+        self._tr = terminalreporter
+
+    def section(self, title: str, **markup: Any) -> None:
+        self._tr.section(inert.terminal(title), **markup)
+
+    def write_line(self, line: str, **markup: Any) -> None:
+        self._tr.write_line(inert.terminal(line), **markup)

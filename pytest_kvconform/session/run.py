@@ -17,6 +17,7 @@ import pytest
 
 from pytest_kvconform.adapters import compat, heap, run_env
 from pytest_kvconform.adapters.omni_plugins import restore_plugins_env, set_plugins_env
+from pytest_kvconform.contract import inert
 from pytest_kvconform.faults import pid_marking
 from pytest_kvconform.session.options import Options
 from pytest_kvconform.session.results import KvResults
@@ -173,7 +174,7 @@ class KvSession:
         if self.fault:
             lines.append(f"kvconform: WARNING: seeded worker fault {self.fault!r} is active "
                          "(KVCONFORM_WORKER_FAULT); results do not qualify anything")
-        return lines
+        return [inert.terminal(line) for line in lines]  # discovery quotes backends' errors
 
 
 def release_line(versions: dict[str, str | None]) -> str:

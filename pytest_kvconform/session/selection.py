@@ -22,10 +22,12 @@ from pytest_kvconform.adapters.discovery import Discovery, DiscoveryError, disco
 from pytest_kvconform.adapters.omni_plugins import load_plugins
 from pytest_kvconform.checks.arguments import FIXTURE, expand
 from pytest_kvconform.contract import cases as cases_mod
+from pytest_kvconform.contract import inert
 from pytest_kvconform.contract.clauses import AXES, clause_from_test_name
 from pytest_kvconform.contract.outcomes import describe_error
 from pytest_kvconform.contract.records import BackendUnderTest, Case
-from pytest_kvconform.session import failure_repr
+from pytest_kvconform.report.verdict import describe_altered
+from pytest_kvconform.session import failure_repr, integrity
 from pytest_kvconform.session import xdist as xdist_hooks
 from pytest_kvconform.session.options import Options
 from pytest_kvconform.workers import isolated
@@ -33,6 +35,7 @@ from pytest_kvconform.workers import isolated
 NO_BACKEND_ID = "no-backend"
 XFAIL_PROPERTY = "kv_xfail"
 DISCOVERY_OUTPUT = "kvconform_discovery"  # workeroutput key: a worker's discovery
+ALTERED_OUTPUT = "kvconform_altered"  # workeroutput key: what of the judge a worker saw change
 USAGE_ERROR_OUTPUT = "kvconform_usage_error"  # workeroutput key: why a worker ran nothing
 SUITE_DIR = Path(__file__).resolve().parents[1] / "suite"
 HOOK_NAME = "pytest_kvconform_backends"
@@ -91,6 +94,11 @@ class KvSelection:
         # crash the worker and have xdist restart it (an import each); the worker runs
         # nothing instead and its controller reports the error (KvResults).
         self.usage_error: str | None = None
+        # The judge's fingerprint, taken before discovery imports a backend, and what of it
+        # changed since (here, and in each xdist worker: session/integrity.py).
+        self.fingerprint: integrity.Fingerprint | None = None
+        self.altered: list[str] = []
+        self.remote_altered: set[str] = set()
 
     @property
     def device_kind(self) -> str:
@@ -117,6 +125,7 @@ class KvSelection:
             self.remote = True
             return
         started = time.monotonic()
+        self.fingerprint = integrity.take()  # before any backend of discovery's is imported
         hook_results = self._hook_backends()
         try:
             # What the serving stack's imports print is kept for the header and the report
@@ -130,8 +139,9 @@ class KvSelection:
                                           only=self.options.backends or None,
                                           guard=isolated.probe(self.options.timeout))
         except DiscoveryError as exc:
-            raise pytest.UsageError(f"kvconform: {exc}") from None
+            raise pytest.UsageError(inert.terminal(f"kvconform: {exc}")) from None
         self.discovery_seconds = time.monotonic() - started
+        self.judge_altered()
         self._select_backends()
 
     def _hook_backends(self) -> list[Any]:
@@ -141,7 +151,8 @@ class KvSelection:
         try:
             return list(hook(config=self.config))
         except Exception as exc:
-            raise pytest.UsageError(_hook_failure(hook.get_hookimpls(), exc)) from None
+            raise pytest.UsageError(inert.terminal(_hook_failure(hook.get_hookimpls(), exc))
+                                    ) from None
 
     def _select_backends(self) -> None:
         self.all_backend_names = set(self.discovery.names) | set(self.discovery.left_out)
@@ -150,11 +161,20 @@ class KvSelection:
             return
         unknown = [name for name in wanted if name not in self.discovery.names]
         if unknown:
-            available = sorted(self.all_backend_names)
-            listing = ", ".join(available) or "(none: " + "; ".join(self.discovery.notes) + ")"
-            raise pytest.UsageError(f"--kv-backend: unknown backend {', '.join(unknown)}; "
-                                    f"available backends: {listing}")
+            from pytest_kvconform.session.startup import unknown_backends
+
+            message = unknown_backends(unknown, self.all_backend_names)
+            if not self.all_backend_names:
+                message += " (" + "; ".join(self.discovery.notes) + ")"
+            raise pytest.UsageError(f"--kv-backend: {message}")
         self.discovery.backends = [b for b in self.discovery.backends if b.name in wanted]
+
+    def judge_altered(self) -> list[str]:
+        """What of the judge changed since its fingerprint (this process's, and what the
+        xdist workers reported), as phrases; empty when nothing did."""
+        if self.fingerprint is not None:
+            self.altered += [c for c in self.fingerprint.changes() if c not in self.altered]
+        return [*self.altered, *sorted(self.remote_altered - set(self.altered))]
 
     def header_lines(self) -> list[str]:
         """The header's backends, cases, discovery notes and plugins."""
@@ -164,9 +184,11 @@ class KvSelection:
             return ["kvconform: backends: discovered by each xdist worker, listed after the run",
                     cases, *known]
         plugin_lines = self.plugins.header_lines() if self.plugins is not None else []
+        altered = [f"kvconform: WARNING: {describe_altered(self.altered)}; this run qualifies "
+                   "nothing"] if self.altered else []
         return [self._backends_line(self.backend_dicts(), "", self.discovery_seconds,
                                     sorted(self.all_backend_names)), cases,
-                *known, *self._detail_lines(self.discovery.notes, plugin_lines),
+                *known, *altered, *self._detail_lines(self.discovery.notes, plugin_lines),
                 *self._import_log_lines(self.import_log)]
 
     def _import_log_lines(self, messages: list[dict[str, Any]] | None) -> list[str]:
@@ -301,6 +323,7 @@ class KvSelection:
             worker = (getattr(node, "workerinput", None) or {}).get("workerid", "?")
             self.adopt_worker_discovery(str(worker), output[DISCOVERY_OUTPUT])
         self.xfail_matched.update(output.get("kvconform_xfail_matched", ()))
+        self.remote_altered.update(output.get(ALTERED_OUTPUT, ()))
         counts = output.get("kvconform_counts")
         if counts:
             self.counts.collected, self.counts.selected = counts
@@ -313,6 +336,7 @@ class KvSelection:
         if workeroutput is not None:
             workeroutput["kvconform_xfail_matched"] = sorted(self.xfail_matched)
             workeroutput["kvconform_counts"] = [self.counts.collected, self.counts.selected]
+            workeroutput[ALTERED_OUTPUT] = self.judge_altered()
             if self.usage_error:
                 workeroutput[USAGE_ERROR_OUTPUT] = self.usage_error
             else:

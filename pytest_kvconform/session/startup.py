@@ -1,7 +1,9 @@
-"""Checks that run at start-up, before discovery imports vLLM: output paths, xfails file.
+"""Checks that run at start-up, before discovery imports vLLM: output paths, xfails file,
+backend names.
 
-A report path that cannot be written, or an xfails file that does not parse, is a
-usage error within a second, not a traceback after the whole suite has run.
+A report path that cannot be written, an xfails file that does not parse, or a
+``--kv-backend`` name no source has is a usage error within a second, not a traceback
+after the whole suite has run (nor a refusal after the stack's import).
 Stdlib only (plus ``packaging`` through ``xfails``).
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +71,26 @@ def known_findings(value: str) -> Any:
         return xfails.known_findings(value, versions)
     except (OSError, xfails.XfailFileError) as exc:
         raise StartupError(str(exc)) from None
+
+
+def unknown_backends(unknown: Iterable[str], available: Iterable[str]) -> str:
+    """``--kv-backend``'s refusal, naming each unknown name as written (``''`` for an empty
+    one) and the names there are."""
+    names = ", ".join(repr(name) for name in unknown)
+    listing = ", ".join(sorted(available)) or "none"
+    return f"unknown backend {names}; available backends: {listing}"
+
+
+def check_backend_names(wanted: Sequence[str], hooks: Sequence[str]) -> None:
+    """Refuse a ``--kv-backend`` name no source has, before the stack is imported
+    (``backend_names``); where a source cannot be sure (a ``pytest_kvconform_backends``
+    hook, named in ``hooks``, names its backends only when called at session start),
+    discovery decides after the import."""
+    if not wanted:
+        return
+    from pytest_kvconform.adapters import backend_names
+
+    known = backend_names.static_names()
+    unknown = [name for name in wanted if name not in known.names]
+    if unknown and not hooks and not known.undecided:
+        raise StartupError(unknown_backends(unknown, known.names))

@@ -24,15 +24,25 @@ from pathlib import Path
 import pytest
 
 from pytest_kvconform.report.diff import diff_reports
-from pytest_kvconform.report.verdict import EXIT_STACK_REGRESSED
-from tests.backend_repo_files import HOSTILE_BACKENDS, SDPA_BACKENDS, pyproject
+from pytest_kvconform.report.verdict import EXIT_NOT_CHECKED, EXIT_STACK_REGRESSED
+from tests.backend_repo_files import HOSTILE_BACKENDS, JUDGE_REWRITER, SDPA_BACKENDS, pyproject
 from tests.conftest import needs_omni
 from tests.wheel_env import REPO, WheelEnv, clean_env, run
 
+RAISES_AT_IMPORT = """
+raise RuntimeError("this backend's module refuses to import")
+
+
+class Backend:
+    pass
+"""
 BACKEND_REPO = {
     "pyproject.toml": pyproject("my-backends") + textwrap.dedent('''
         [project.entry-points."pytest_kvconform.backends"]
         MY_EP_ATTN = "my_backends.attention:EntryPointBackend"
+        GHOST = "no_such_pkg_kvc.mod:Backend"
+        GHOST_ATTR = "my_backends.attention:NoSuchBackend"
+        GHOST_RAISES = "my_backends.raises:Backend"
 
         [tool.setuptools]
         packages = ["my_backends"]
@@ -44,13 +54,19 @@ BACKEND_REPO = {
     '''),
     "my_backends/__init__.py": "",
     "my_backends/attention.py": SDPA_BACKENDS,
+    "my_backends/raises.py": RAISES_AT_IMPORT,
+    "my_backends/rewriter.py": JUDGE_REWRITER,
     "conftest.py": '''
         import os
 
 
         def pytest_kvconform_backends(config):
-            return {"MY_HOOK_ATTN": "my_backends.attention:HookBackend",
-                    "MY_SLIP": "my_backends.attention:SlipBackend"}
+            found = {"MY_HOOK_ATTN": "my_backends.attention:HookBackend",
+                     "MY_SLIP": "my_backends.attention:SlipBackend",
+                     "MY_MISNAMED": "my_backends.attention:MisnamedBackend"}
+            if os.environ.get("SEED_JUDGE_REWRITER"):  # its import rewrites the judge
+                found["MY_REWRITER"] = "my_backends.rewriter:RewritesTheJudge"
+            return found
 
 
         def pytest_sessionstart(session):
@@ -120,7 +136,7 @@ def test_suite_runs_against_the_repos_backends(backend_repo: tuple[Path, Path]) 
                     "test_kv_l6[MY_HOOK_ATTN] PASSED", "test_kv_l6[MY_EP_ATTN] PASSED"):
         assert test_id.split()[0] in out, out
     assert "test_own_tests_run_beside_the_suite" in out or "test_own.py" in out, out
-    assert "7 passed" in out, out
+    assert "9 passed" in out, out
     # The suite came from the installed wheel, not this checkout.
     assert str(REPO / "pytest_kvconform") not in out
 
@@ -217,6 +233,76 @@ def test_a_stack_regression_is_reported_as_the_stacks(backend_repo: tuple[Path, 
     assert ("kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 0 known findings persist "
             "(0 results), 0 fixed, 1 new (no known finding describes them): KV-S1 "
             "test_kv_s1[BLNHC-bf16_h8]") in out, out[-6000:]
+
+
+@needs_omni
+def test_a_backend_that_never_imports_is_not_checked(backend_repo: tuple[Path, Path]) -> None:
+    """Nothing ran, nothing qualified, without --kv-strict: an entry point to a missing
+    module, to a missing attribute, and to a module that raises at import."""
+    python, repo = backend_repo
+    ghosts = {"GHOST": "ModuleNotFoundError: No module named 'no_such_pkg_kvc'",
+              "GHOST_ATTR": "AttributeError",
+              "GHOST_RAISES": "RuntimeError: this backend's module refuses to import"}
+    code, out = _suite(python, repo, *(a for name in ghosts for a in ("--kv-backend", name)),
+                       "--kv-report", "r.json")
+    assert code == EXIT_NOT_CHECKED, out[-6000:]
+    verdict = next(line for line in out.splitlines() if line.startswith("kvconform: verdict"))
+    assert verdict.startswith("kvconform: verdict for GHOST, GHOST_ATTR, GHOST_RAISES: not "
+                              "qualified (GHOST: not checked (every clause skipped, "), verdict
+    for name, why in ghosts.items():
+        assert f"{name}: not checked (every clause skipped, " in verdict, verdict
+        assert f"backend {name} is not importable: {why}" in verdict, verdict
+    assert json.loads((repo / "r.json").read_text())["verdict"] == "not qualified"
+
+
+@needs_omni
+def test_a_registry_member_that_does_not_import_here_is_not_checked(
+        backend_repo: tuple[Path, Path]) -> None:
+    """SAGE_ATTN_3 on a CPU host: the shipped known finding declares it unimportable (so
+    the strict whole deployment still qualifies), but a run checking it alone checked
+    nothing of it."""
+    python, repo = backend_repo
+    code, out = _suite(python, repo, "--kv-backend", "SAGE_ATTN_3", "--kv-strict")
+    assert code == EXIT_NOT_CHECKED, out[-6000:]
+    assert ("kvconform: verdict for SAGE_ATTN_3: not qualified (SAGE_ATTN_3: not checked "
+            "(every clause skipped, ") in out, out[-6000:]
+    assert "backend skip, declared: backend SAGE_ATTN_3 is not importable: " in out
+
+
+@needs_omni
+def test_a_backend_registered_under_another_name_fails_kv_l1(
+        backend_repo: tuple[Path, Path]) -> None:
+    """get_name() answering to a registry member's name: KV-L1's name control fails, naming
+    both names, and the verdict puts it first."""
+    python, repo = backend_repo
+    code, out = _suite(python, repo, "--kv-backend", "MY_MISNAMED", "-k", "kv_l1 or kv_l2")
+    assert code == 1, out[-6000:]
+    assert ("KV-L1 violated [backend=MY_MISNAMED]: get_name() returned 'TORCH_SDPA', but the "
+            "backend is registered as 'MY_MISNAMED'") in out, out[-6000:]
+    assert "FAILED kvconform/test_layout.py::test_kv_l1_name[MY_MISNAMED]" in out
+    assert ("kvconform: verdict for MY_MISNAMED: not qualified (MY_MISNAMED: KV-L1 failed "
+            "(root cause): KV-L1 test_kv_l1_name[MY_MISNAMED]") in out, out[-6000:]
+
+
+@needs_omni
+def test_a_backend_whose_import_rewrites_the_judge_is_refused(
+        backend_repo: tuple[Path, Path]) -> None:
+    """Its module replaces the check runner at import, so that its broken declaration
+    passes: the run names what changed and qualifies nothing, strict or not."""
+    python, repo = backend_repo
+    code, out = _suite(python, repo, "--kv-backend", "MY_REWRITER", "--kv-strict",
+                       "--kv-report", "r.json", env={"SEED_JUDGE_REWRITER": "1"})
+    assert code == 1, out[-6000:]
+    changed = ("pytest_kvconform.suite.check_call.run_check replaced by "
+               "my_backends.rewriter.lenient")
+    assert ("kvconform: WARNING: the judge was altered after start-up, so nothing here is "
+            "judged (a backend's code ran in the judging process): " + changed) in out, \
+        out[-6000:]
+    assert ("kvconform: verdict for MY_REWRITER: not qualified (the judge was altered after "
+            "start-up") in out, out[-6000:]
+    report = json.loads((repo / "r.json").read_text())
+    assert report["verdict"] == "not qualified"
+    assert report["integrity"] == [changed]
 
 
 @needs_omni

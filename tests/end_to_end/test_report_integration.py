@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.report import build as report
+from pytest_kvconform.report.verdict import EXIT_NOT_CHECKED
 from tests.seeding import register_backends
 from tests.standin_backends import GOOD_AND_INT_FLAG, Good
 
@@ -21,7 +22,8 @@ test = "test_kv_l1"
 match = "returned 1 of type int; a real bool is required"
 reason = "returns an int"
 '''
-SELECT = ("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-backend", "INT_FLAG")
+# KV-L1's need control (its name control passes for both: tests/seeded/test_layout.py).
+SELECT = ("-k", "kv_l1 and not name", "--kv-backend", "GOOD", "--kv-backend", "INT_FLAG")
 
 
 def _results(path: Path) -> list[dict[str, Any]]:
@@ -85,7 +87,7 @@ def test_strict_mode_fails_on_xpass_and_names_verdict(pytester: pytest.Pytester,
         match = "."
         reason = "claims a failure that is fixed"
     ''')
-    result = kv_run("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-xfails", str(xf),
+    result = kv_run("-k", "kv_l1 and not name", "--kv-backend", "GOOD", "--kv-xfails", str(xf),
                     "--kv-strict", "--kv-report", "r.json")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*kvconform: verdict*: not qualified (xpassed (a known finding "
@@ -96,11 +98,18 @@ def test_strict_mode_fails_on_xpass_and_names_verdict(pytester: pytest.Pytester,
     assert row["reason"].startswith("[XPASS(strict)] known: claims a failure that is fixed")
 
 
-def test_strict_mode_forgives_missing_hardware_only(pytester: pytest.Pytester, kv_run) -> None:
+@pytest.mark.parametrize("args", [("-k", "kv_l1"), ("--kv-strict",)],
+                         ids=["non_strict", "strict"])
+def test_a_backend_that_does_not_import_is_not_checked(pytester: pytest.Pytester, kv_run,
+                                                        args: tuple[str, ...]) -> None:
+    """Nothing ran, nothing qualified, with or without --kv-strict: exit status 7 (strict
+    mode fails a -k selection for itself: its run is whole)."""
     register_backends(pytester, {"GOOD": Good, "BROKEN": "no_mod_q:X"})
-    result = kv_run("-k", "kv_l1", "--kv-backend", "BROKEN", "--kv-strict")
-    assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*verdict*: not qualified*"])
+    result = kv_run("--kv-backend", "BROKEN", *args)
+    assert result.ret == EXIT_NOT_CHECKED
+    result.stdout.fnmatch_lines(["kvconform: verdict for BROKEN: not qualified (BROKEN: not "
+                                 "checked (every clause skipped, * result*; backend skip: "
+                                 "backend BROKEN is not importable: ModuleNotFoundError*"])
 
 
 def test_junit_properties(pytester: pytest.Pytester, kv_run) -> None:
@@ -123,7 +132,7 @@ def test_deselected_or_unselected_entries_are_not_stale(pytester: pytest.Pyteste
         match = "."
         reason = "deselected by -k below"
     ''')
-    result = kv_run("-k", "kv_l1", "--kv-backend", "GOOD", "--kv-xfails", str(xf))
+    result = kv_run("-k", "kv_l1 and not name", "--kv-backend", "GOOD", "--kv-xfails", str(xf))
     result.assert_outcomes(passed=1)
     assert "stale xfail entry" not in result.stdout.str()
 

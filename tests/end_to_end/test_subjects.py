@@ -51,7 +51,7 @@ def test_the_shipped_findings_apply_without_naming_a_file(repo: pytest.Pytester,
     result = kv_run("--kv-backend", "MY_HOOK_ATTN", "-k", "kv_l1 or kv_l2 or kv_l8_alias",
                     "--kv-xfails", "auto", "--kv-report", "r.json")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
-    result.assert_outcomes(passed=2, xfailed=1)
+    result.assert_outcomes(passed=3, xfailed=1)
     result.stdout.fnmatch_lines([
         # the registry's backends are listed, not imported (a broken one cannot touch this)
         "kvconform: 1 backends (1 importable) discovered in *s: MY_HOOK_ATTN; * left out by "
@@ -67,6 +67,7 @@ def test_the_shipped_findings_apply_without_naming_a_file(repo: pytest.Pytester,
     data = _report(repo)
     subjects = {r["nodeid"].rpartition("::")[2]: r["subject"] for r in data["results"]}
     assert subjects == {"test_kv_l1[MY_HOOK_ATTN]": "backend",
+                        "test_kv_l1_name[MY_HOOK_ATTN]": "backend",
                         "test_kv_l2[MY_HOOK_ATTN]": "backend",
                         "test_kv_l8_alias[MY_HOOK_ATTN]": "stack"}
     assert data["stack"]["known"] == ["kvconform/test_layout.py::test_kv_l8_alias[MY_HOOK_ATTN]"]
@@ -77,7 +78,7 @@ def test_none_switches_the_shipped_findings_off(repo: pytest.Pytester, kv_run: A
     result = kv_run("--kv-backend", "MY_HOOK_ATTN", "-k", "kv_l1 or kv_l8_alias",
                     "--kv-xfails", "none")
     result.stdout.fnmatch_lines(["kvconform: known findings: none (--kv-xfails none)"])
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=2, failed=1)
     # The stack's failure, not the backend's.
     assert result.ret == EXIT_STACK_REGRESSED, result.stdout.str()[-3000:]
 
@@ -107,7 +108,7 @@ def test_a_stack_regression_is_the_stacks(repo: pytest.Pytester, kv_run: Any, se
         assert data["stack"]["regressions"] == []
         return
     assert result.ret == EXIT_STACK_REGRESSED, result.stdout.str()[-3000:]
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines([
         "kvconform: verdict for MY_HOOK_ATTN: partial (left out: -k *",
         literal("kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 0 known findings persist "

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import needs_omni
+from tests.seeding import register_backends
+from tests.standin_backends import Good
 
 # Each process says what it imported and which fork server it forks from, while the
 # session still holds the server (pytest_unconfigure releases it).
@@ -62,10 +64,14 @@ def test_xdist_workers_share_one_fork_server_and_the_controller_imports_nothing(
 @needs_omni
 def test_a_usage_error_found_by_xdist_workers_is_one_usage_error(
         pytester: pytest.Pytester) -> None:
-    """Raised in a worker it would crash it, and xdist would restart it (an import each)."""
+    """Raised in a worker it would crash it, and xdist would restart it (an import each).
+
+    A conftest hook leaves the name to discovery (it names its backends only when called):
+    a name no source has is otherwise refused at start-up, before any worker starts."""
+    register_backends(pytester, {"GOOD": Good})
     result = pytester.runpytest_subprocess(*ARGS, "--kv-backend", "NO_SUCH_ATTN", timeout=600)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     out = result.stdout.str()
-    assert out.count("ERROR: --kv-backend: unknown backend NO_SUCH_ATTN; available backends: "
+    assert out.count("ERROR: --kv-backend: unknown backend 'NO_SUCH_ATTN'; available backends: "
                      ) == 1, out[-3000:]
     assert "crashed" not in out and "replacing" not in out, out[-3000:]

@@ -248,7 +248,8 @@ def test_markdown_matrix_with_footnotes_environment_and_verdict() -> None:
     assert "| host | box-a |" in lines
     assert any(line.startswith("| device 0 | cpu, 16.0 GiB") for line in lines)
     assert "**Verdict: not qualified** (non-strict)" in lines
-    assert "- SAGE, every clause (1 result; backend skip: ImportError: sage)" in lines
+    assert ("- SAGE: not checked (every clause skipped, 1 result; backend skip: ImportError: "
+            "sage)") in lines
     assert "- KV-L7 for FLASH_ATTN (1 result; hardware skip: needs a CUDA device)" in lines
     assert "- `t.py::test_kv_l6[FLASH_ATTN]`" in lines
 
@@ -273,7 +274,7 @@ def test_markdown_shares_footnotes_and_escapes_pipes() -> None:
     ]
     md = rp.render_markdown(build(results)).splitlines()
     # Row by row, column by column: FLASH_ATTN's KV-L6 failure is numbered first.
-    assert "[^1]: fail: a | b second line" in md
+    assert "[^1]: fail: a \\| b second line" in md
     assert md.count("[^2]: skip: no CUDA") == 1
     assert sum("skip 1/1[^2]" in line for line in md) == 2
 

@@ -111,6 +111,84 @@ def test_each_known_finding_persists_is_fixed_or_a_failure_is_new() -> None:
         rp.validate_report(old)
 
 
+GHOST_REASON = "backend GHOST is not importable: ModuleNotFoundError: No module named 'x'"
+
+
+def _ghost(clause: str, test: str, **extra: Any) -> dict[str, Any]:
+    """A result of GHOST, a backend that does not import: every one skipped."""
+    return row(f"s.py::{test}[GHOST]", clause, "skipped", backend="GHOST", skip_kind="backend",
+               reason=f"{clause}: {GHOST_REASON}", **extra)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+def test_a_backend_none_of_whose_results_ran_is_not_checked_never_qualified(
+        strict: bool) -> None:
+    """Nothing ran, nothing qualified: a backend-scoped run of GHOST, a whole deployment
+    holding it, with or without --kv-strict, each says it was not checked and why; a known
+    finding that declares every one of its skips excuses the deployment, not the backend."""
+    ghost = [_ghost("KV-L1", "test_kv_l1"), _ghost("KV-L2", "test_kv_l2"),
+             _ghost("KV-L8", "test_kv_l8_alias")]  # KV-L8: the stack's guard, run on it
+    good = row("s.py::test_kv_l1[GOOD]", "KV-L1", backend="GOOD")
+    why = ("GHOST: not checked (every clause skipped, 2 results; backend skip: "
+           f"{GHOST_REASON})")
+    scoped = build(ghost, strict=strict, backends=[backend_record("GHOST")],
+                   excluded_backends=["GOOD"])
+    whole = build([good, *ghost], strict=strict,
+                  backends=[backend_record("GOOD"), backend_record("GHOST")])
+    for report in (scoped, whole):
+        assert report["verdict"] == "not qualified"
+        text = rp.verdict_text(report["verdict"], report["uncovered"], report["selection"],
+                               report["run"], report["results"])
+        assert text == f"not qualified ({why})", text  # named once, not again as unchecked
+        assert rp.only_not_checked(report["results"], strict, report["selection"],
+                                   report["run"])
+        rp.validate_report(report)  # the verdict is the results'
+    declared = [{**r, "xfail": "known.toml:1 GHOST/*"} for r in ghost]
+    excused = build([good, *declared], strict=strict,
+                    backends=[backend_record("GOOD"), backend_record("GHOST")])
+    assert excused["verdict"] == "qualified"
+    assert "GHOST: not checked (every clause skipped" in rp.describe_uncovered(
+        excused["uncovered"][0])
+    scoped_declared = build(declared, strict=strict, excluded_backends=["GOOD"],
+                            backends=[backend_record("GHOST")])
+    assert scoped_declared["verdict"] == "not qualified"
+    # A failure elsewhere is what the run exits for, not the unchecked backend.
+    failing = row("s.py::test_kv_l2[GOOD]", "KV-L2", "failed", backend="GOOD")
+    mixed = build([good, failing, *ghost], strict=strict)
+    assert not rp.only_not_checked(mixed["results"], strict, mixed["selection"], mixed["run"])
+
+
+def test_an_altered_judge_qualifies_nothing_and_says_what_changed() -> None:
+    """Whatever the results: not qualified, the change named in the line, the Markdown and
+    the report (which validation holds the verdict to)."""
+    changed = "pytest_kvconform.suite.check_call.run_check replaced by evil.lenient"
+    results = [row("s.py::test_kv_l1[GOOD]")]
+    report = rp.build_report(environment=ENVIRONMENT, backends=[backend_record()],
+                             results=results, options={}, strict=True,
+                             selection=build(results)["selection"], run=rp.run_record(),
+                             altered=[changed])
+    assert (report["verdict"], report["integrity"]) == ("not qualified", [changed])
+    text = rp.verdict_text(report["verdict"], report["uncovered"], report["selection"],
+                           report["run"], report["results"], altered=report["integrity"])
+    assert text == ("not qualified (the judge was altered after start-up, so nothing here is "
+                    "judged (a backend's code ran in the judging process): " + changed + ")")
+    assert f"- {changed}" in rp.render_markdown(report)
+    hidden = copy.deepcopy(report)
+    del hidden["integrity"]  # a hand edit hiding it: the verdict no longer follows
+    with pytest.raises(rp.ReportError, match=r"^\$\.verdict: 'not qualified' but the results "
+                                             r"give 'qualified'"):
+        rp.validate_report(hidden)
+
+
+def test_a_selection_holding_nothing_applicable_checked_nothing_and_claims_nothing() -> None:
+    """-k that leaves a backend only not-applicable skips: partial, not 'not checked'."""
+    na = row("s.py::test_kv_l6[GOOD]", "KV-L6", "skipped", skip_kind="not-applicable",
+             reason="KV-L6: no paged KV")
+    report = build([na], keyword="kv_l6", collected=10, selected=1)
+    assert report["verdict"] == "partial"
+    assert rp.not_checked(report["results"], declared_ok=False) == []
+
+
 def _t(test: str, params: str, status: str, clause: str, **extra: Any) -> dict[str, Any]:
     """A row of suite test ``test[params]`` (backend, case from the params)."""
     backend, _, case = params.partition("-")
@@ -299,13 +377,14 @@ def test_a_qualified_verdict_names_what_it_left_unchecked() -> None:
     ]
     line = rp.verdict_text(report["verdict"], report["uncovered"], report["selection"],
                            report["run"], report["results"])
-    assert line == ("qualified (unchecked: SAGE3, every clause (2 results; backend skip, "
-                    "declared: backend SAGE3 is not importable: ImportError: sageattn3); "
+    assert line == ("qualified (unchecked: SAGE3: not checked (every clause skipped, 2 results; "
+                    "backend skip, declared: backend SAGE3 is not importable: ImportError: "
+                    "sageattn3); "
                     "KV-L7 for GOOD (1 result; hardware skip: needs CUDA))")
     md = rp.render_markdown(report)
     verdict_section = md.split("## Verdict")[1].split("## Environment")[0]
-    assert ("- SAGE3, every clause (2 results; backend skip, declared: backend SAGE3 is not "
-            "importable: ImportError: sageattn3)") in verdict_section
+    assert ("- SAGE3: not checked (every clause skipped, 2 results; backend skip, declared: "
+            "backend SAGE3 is not importable: ImportError: sageattn3)") in verdict_section
     assert "- KV-L7 for GOOD (1 result; hardware skip: needs CUDA)" in verdict_section
     assert "KV-L6" not in verdict_section  # not applicable: nothing was left unchecked
     hidden = copy.deepcopy(report)
@@ -330,8 +409,8 @@ def test_merge_keeps_what_no_host_checked(tmp_path: Path, capsys: Any) -> None:
     md = capsys.readouterr().out.splitlines()
     at = md.index("Not checked by any host:")
     assert md[at + 2:at + 4] == [
-        "- SAGE3, every clause (2 results; backend skip, declared: backend SAGE3 is not "
-        "importable: ImportError: sageattn3)", ""]
+        "- SAGE3: not checked (every clause skipped, 2 results; backend skip, declared: "
+        "backend SAGE3 is not importable: ImportError: sageattn3)", ""]
 
 
 def _failed_plugin(**changes: Any) -> dict[str, Any]:
@@ -544,7 +623,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     _layout._CALLS = _CALLS
 '''
-KV_L1 = ("-k", "kv_l1", "--kv-backend", "GOOD")
+KV_L1 = ("-k", "kv_l1 and not name", "--kv-backend", "GOOD")
 
 
 def _summary_printed(result: pytest.RunResult) -> None:
@@ -561,13 +640,14 @@ def test_k_selected_strict_run_is_partial(pytester: pytest.Pytester, kv_run: Any
     result.assert_outcomes(passed=1)
     _summary_printed(result)
     # Scoped to GOOD (--kv-backend): the backends left out do not make it partial, -k does.
-    result.stdout.fnmatch_lines(["*kvconform: verdict for GOOD: partial (left out: -k 'kv_l1' "
-                                 "deselected * of * suite tests)"])
+    result.stdout.fnmatch_lines(["*kvconform: verdict for GOOD: partial (left out: -k 'kv_l1 "
+                                 "and not name' deselected * of * suite tests)"])
     data = json.loads((pytester.path / "out" / "r.json").read_text())
     rp.validate_report(data)
     assert data["verdict"] == "partial"
     sel = data["selection"]
-    assert (sel["keyword"], sel["backends"], sel["selected"]) == ("kv_l1", ["GOOD"], 1)
+    assert (sel["keyword"], sel["backends"], sel["selected"]) == ("kv_l1 and not name", ["GOOD"],
+                                                                  1)
     assert "OTHER" in sel["excluded_backends"]
     assert sel["collected"] > 1 and sel["deselected"] == sel["collected"] - 1
     assert data["run"]["interruption"] is None and data["run"]["id"]

@@ -30,15 +30,67 @@ L1_FAULTS = {"INT_FLAG": sb.IntFlag, "FLIPPING": sb.Flipping, "TOUCHES_CUDA": sb
 
 
 def test_l1_faults_fail_and_registry_passes(kv_run, pytester: pytest.Pytester) -> None:
+    """The need's faults fail test_kv_l1; each names itself as registered (test_kv_l1_name)."""
     register_backends(pytester, L1_FAULTS)
     result = kv_run("-k", "kv_l1", *backend_args(*L1_FAULTS), *SDPA)
-    expect_run(result, failed=5, passed=1, clauses=["KV-L1"] * 5, in_order=False, lines=[
+    expect_run(result, failed=5, passed=7, clauses=["KV-L1"] * 5, in_order=False, lines=[
         "*KV-L1 violated*INT_FLAG*returned 1 of type int; a real bool is required*",
         "*KV-L1 violated*FLIPPING*changes its answer between calls*",
         "*KV-L1 violated*TOUCHES_CUDA[]]*initialised a CUDA context*",
         "*KV-L1 violated*TOUCHES_CUDA_RAW*initialised a CUDA context*",
         "*KV-L1 violated*RAISES*raised: RuntimeError('registry not ready')*",
     ])
+
+
+class ClaimsARegistryName(sb.Good):
+    """Registered as MY_ATTN, answers to a registry member's name: production would serve
+    it as TORCH_SDPA (its backend preference, its implementation overrides)."""
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "TORCH_SDPA"
+
+
+class NamesItselfAnInt(sb.Good):
+    @classmethod
+    def get_name(cls) -> int:  # type: ignore[override]
+        return 42
+
+
+class Nameless:
+    """No get_name() at all: production cannot name the backend."""
+
+    @classmethod
+    def indexes_kv_by_block_stride(cls) -> bool:
+        return False
+
+
+NAME_FAULTS = {"MY_ATTN": ClaimsARegistryName, "INT_NAME": NamesItselfAnInt,
+               "NAMELESS": Nameless}
+
+
+def test_a_backend_that_answers_to_another_name_fails_kv_l1_first(
+        kv_run, pytester: pytest.Pytester) -> None:
+    """KV-L1's name control fails, naming both names; the backend's other failures depend
+    on it (the root cause), while its layout need (test_kv_l1) still passes on its own."""
+    register_backends(pytester, NAME_FAULTS)
+    result = kv_run("-k", "kv_l1 or kv_l2", *backend_args(*NAME_FAULTS), "-rf")
+    expect_run(result, failed=3, passed=6, clauses=["KV-L1"] * 3, in_order=False, lines=[
+        "*KV-L1 violated*MY_ATTN*get_name() returned 'TORCH_SDPA', but the backend is "
+        "registered as 'MY_ATTN': production would serve it as 'TORCH_SDPA'*",
+        "*KV-L1 violated*INT_NAME*get_name() returned 42 of type int, but the backend is "
+        "registered as 'INT_NAME'; a str is required*",
+        "*KV-L1 violated*NAMELESS*the backend class has no callable get_name()*",
+    ])
+    verdict = next(line for line in result.stdout.lines if line.startswith("kvconform: verdict"))
+    assert "MY_ATTN: KV-L1 failed (root cause): KV-L1 test_kv_l1_name[MY_ATTN]" in verdict
+
+
+def test_every_registry_member_answers_to_its_name(kv_run) -> None:
+    """No false failure in-tree: TORCH_SDPA's class answers to "SDPA", production's own name
+    for it; every other member to its member name."""
+    result = kv_run("-k", "kv_l1_name", "-rs")
+    expect_run(result, passed=10, skipped=1)  # SAGE_ATTN_3 does not import here
 
 
 def test_l2_wrong_pin_fails(kv_run, seed: Seeder) -> None:

@@ -322,7 +322,7 @@ def test_check_backend_reports_a_blocking_declaration_as_a_timeout_error(
     from pytest_kvconform import api
 
     monkeypatch.setattr(budget, "DEFAULT_TIMEOUT_S", 0.3)
-    [result] = api.check_backend(slow_backend, clauses=["KV-L1"], device="cpu")
+    result, _name = api.check_backend(slow_backend, clauses=["KV-L1"], device="cpu")
     assert (result.status, result.error_kind) == ("error", ErrorKind.TIMEOUT)
     assert "KV-L1 [backend=SLOW]: timed out after" in result.message
 
