@@ -96,23 +96,23 @@ def worst_state(states: Iterable[str]) -> str:
 
 
 def finding_states(report: Mapping[str, Any]) -> dict[str, str]:
-    """nodeid -> persists, fixed or new: a known finding's result (xfailed: it persists;
-    xpassed: fixed, its entry stale), or a stack regression no finding describes (new, as
-    the report's ``stack`` record lists them).  A result that records its state itself
-    (``finding``) is read as it says."""
-    results = report["results"]
-    new = set((report.get("stack") or stack_record(results))["regressions"])
+    """nodeid -> persists, fixed or new, as the report's stack record has them
+    (``stack.findings``, :func:`~pytest_kvconform.report.verdict.finding_lifetimes`): a
+    result of a known finding that persists, of one whose every result now passes (its
+    entry stale), or a stack failure no finding describes.  A passing result of a finding
+    that persists elsewhere reads as fixed: strict mode refuses it as an xpass."""
+    record = report.get("stack") or stack_record(report["results"])
+    lives = record.get("findings") or {}
+    persists, new = set(lives.get("persists", ())), set(lives.get("new", ()))
     out = {}
-    for r in results:
-        recorded = r.get("finding")
-        if isinstance(recorded, str) and recorded in FINDING_STATES:
-            out[str(r["nodeid"])] = recorded
-        elif r.get("status") == "xfailed":
-            out[str(r["nodeid"])] = "persists"
+    for r in report["results"]:
+        nodeid, entry = str(r["nodeid"]), str(r.get("xfail") or "")
+        if nodeid in new:
+            out[nodeid] = "new"
         elif r.get("status") == "xpassed":
-            out[str(r["nodeid"])] = "fixed"
-        elif r["nodeid"] in new:
-            out[str(r["nodeid"])] = "new"
+            out[nodeid] = "fixed"
+        elif entry in persists and r.get("status") in ("xfailed", "skipped"):
+            out[nodeid] = "persists"
     return out
 
 

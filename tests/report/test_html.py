@@ -161,12 +161,17 @@ def test_findings_states_and_the_harness_apart() -> None:
         "KV-L6: the backend has no paged KV support"]
 
 
-def test_a_recorded_finding_state_is_read_as_it_says() -> None:
+def test_finding_states_are_the_stack_records() -> None:
+    """The page reads the report's own record of each finding's lifetime, not a guess."""
     report = mixed_report()
-    report["results"] = [{**r, "finding": "persists"} if r["status"] == "xpassed" else r
-                         for r in report["results"]]
+    lives = report["stack"]["findings"]
     states = html_model.finding_states(report)
-    assert states["s::test_kv_l8_env_refused[GOOD]"] == "persists"
+    assert {n for n, s in states.items() if s == "new"} == set(lives["new"])
+    persisting = {str(r["xfail"]) for r in report["results"]
+                  if states.get(str(r["nodeid"])) == "persists"}
+    assert persisting == set(lives["persists"])
+    report["stack"]["findings"] = {"persists": [], "fixed": [], "new": []}
+    assert set(html_model.finding_states(report).values()) <= {"fixed"}
 
 
 def test_printed_messages_are_counted_and_bounded() -> None:
