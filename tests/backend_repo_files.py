@@ -116,6 +116,10 @@ class GilHoldingBackend(SDPABackend):
     supports_paged_kv = True
 
     @classmethod
+    def get_name(cls) -> str:
+        return "HOG"  # its registered name (KV-L1)
+
+    @classmethod
     def indexes_kv_by_block_stride(cls) -> bool:
         mark = os.environ.get("HOSTILE_MARK")
         if mark:
@@ -127,6 +131,10 @@ class SleepingBackend(SDPABackend):
     supports_paged_kv = True
 
     @classmethod
+    def get_name(cls) -> str:
+        return "SLEEPY"  # its registered name (KV-L1)
+
+    @classmethod
     def indexes_kv_by_block_stride(cls) -> bool:
         time.sleep(3600)
         return False
@@ -134,6 +142,10 @@ class SleepingBackend(SDPABackend):
 
 class ExitingBackend(SDPABackend):
     supports_paged_kv = True
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "EXITS"  # its registered name (KV-L1)
 
     @classmethod
     def get_impl_cls(cls):
@@ -144,6 +156,10 @@ class ExitingBackend(SDPABackend):
 
 class GreedyBackend(SDPABackend):
     supports_paged_kv = True
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "GREEDY"  # its registered name (KV-L1)
 
     @classmethod
     def get_impl_cls(cls):

@@ -23,6 +23,7 @@ import pytest
 
 from pytest_kvconform.contract import inert
 from pytest_kvconform.contract.outcomes import ClauseFailure
+from pytest_kvconform.session.result_rows import FAILURE_PREFIX
 from pytest_kvconform.workers.isolated import RAISED_AT_ATTR
 
 
@@ -40,6 +41,11 @@ def concise(item: pytest.Item) -> None:
                 config.getoption("fulltrace", False):
             return default(excinfo)
         rendered = excinfo.getrepr(style="value", funcargs=False)
+        # The short summary's line starts with the clause, not the exception's import path.
+        crash = rendered.reprcrash
+        if crash is not None:
+            rendered.reprcrash = dataclasses.replace(
+                crash, message=crash.message.removeprefix(FAILURE_PREFIX))
         # A failure carried back from the child that ran the check (workers/isolated.py)
         # names where it was raised there; any other, its innermost shown frame here.
         raised_at = getattr(excinfo.value, RAISED_AT_ATTR, None)

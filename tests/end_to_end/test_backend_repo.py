@@ -219,7 +219,11 @@ def test_the_backends_own_slip_fails_it_root_cause_first(backend_repo: tuple[Pat
                               "failed (root cause): KV-L1 test_kv_l1[MY_SLIP]; "), verdict
     assert re.search(r"; \d+ results depend on it: KV-L2 test_kv_l2\[MY_SLIP\]", verdict)
     assert "FAILED kvconform/test_layout.py::test_kv_l2[MY_SLIP] - depends on KV-L1" in out
+    assert "FAILED kvconform/test_layout.py::test_kv_l1[MY_SLIP] - KV-L1 violated" in out
     assert "differs from known finding" not in verdict
+    # README's red example is this slip, in its quickstart backend's name.
+    assert_shown(readme_example("A red run names the clause and the backend"), out,
+                 MY_ATTN="MY_SLIP")
 
 
 @needs_omni
@@ -330,6 +334,26 @@ def readme_blocks(lang: str) -> list[str]:
     return re.findall(rf"^```{lang}\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)
 
 
+def readme_example(lead: str) -> list[str]:
+    """The indented output lines README shows after the paragraph starting with ``lead``."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    m = re.search(rf"^{re.escape(lead)}.*?\n\n((?:    [^\n]*\n)+)", text, re.M | re.S)
+    assert m is not None, f"README has no example after {lead!r}"
+    return [line[4:] for line in m.group(1).splitlines() if line.strip() != "..."]
+
+
+def assert_shown(example: list[str], out: str, **names: str) -> None:
+    """Each README example line is a line of the real output, ``...`` standing for what
+    README leaves out (and ``names`` renamed: README's backend is another repository's)."""
+    lines = out.splitlines()
+    for line in example:
+        for readme_name, real_name in names.items():
+            line = line.replace(readme_name, real_name)
+        pattern = "^" + ".*".join(re.escape(part) for part in line.split("...")) + "$"
+        assert any(re.match(pattern, real) for real in lines), \
+            f"README shows {line!r}, which the run does not print:\n{out[-6000:]}"
+
+
 @needs_omni
 def test_the_readme_quickstart_and_ci_job_run_as_written(wheel_env: WheelEnv,
                                                           tmp_path: Path) -> None:
@@ -359,6 +383,7 @@ def test_the_readme_quickstart_and_ci_job_run_as_written(wheel_env: WheelEnv,
         assert done.returncode == 0, f"{step}\n{out[-6000:]}"
     assert "kvconform: verdict for MY_ATTN: qualified" in out, out[-6000:]
     assert json.loads((repo / "kv-report.json").read_text())["verdict"] == "qualified"
+    assert_shown(readme_example("A green run ends with exit status 0"), out)
 
 
 HOSTILE_REPO = {
@@ -492,7 +517,7 @@ def test_the_backends_own_faults_in_workers_add_no_stack_regression(
     assert code == 1, out[-6000:]
     report = json.loads((repo / "r.json").read_text())
     assert report["stack"]["regressions"] == []
-    assert re.search(r"^kvconform: stack \(vllm [^)]*\): .*, no regression", out,
+    assert re.search(r"^kvconform: stack \(vllm [^)]*\): .*, 0 fixed, 0 new$", out,
                      re.MULTILINE), out[-6000:]
     by_backend: dict[str, set[tuple[str, str | None, str | None]]] = {}
     for r in report["results"]:

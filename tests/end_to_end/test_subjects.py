@@ -155,6 +155,10 @@ class HangingBackend(SDPABackend):
     supports_paged_kv = True
 
     @classmethod
+    def get_name(cls):
+        return "HANGING"
+
+    @classmethod
     def indexes_kv_by_block_stride(cls):
         time.sleep(600)
         return False

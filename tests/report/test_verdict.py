@@ -721,7 +721,7 @@ def test_ctrl_c_before_collection_warns_of_no_stale_entry(pytester: pytest.Pytes
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(["*kvconform: verdict*: interrupted (interrupted: "
                                  "KeyboardInterrupt*"])
-    assert "stale xfail entry" not in result.stdout.str()
+    assert "stale known-finding entr" not in result.stdout.str()
     rp.validate_report(json.loads((pytester.path / "r.json").read_text()))
 
 

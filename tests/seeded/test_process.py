@@ -601,7 +601,7 @@ def test_ctrl_c_during_start_up_leaves_a_verdict_and_a_report(tmp_path: Path,
     assert ("kvconform: verdict: interrupted (interrupted: KeyboardInterrupt during start-up, "
             "before any test was collected") in outcome.output, outcome.output[-3000:]
     assert "kvconform: report written to r.json, r.md and r.html" in outcome.output
-    assert "stale xfail entry" not in outcome.output
+    assert "stale known-finding entr" not in outcome.output
     assert outcome.report_error is None, outcome.report_error
     assert outcome.report is not None
     assert outcome.report["verdict"] == "interrupted"
