@@ -192,12 +192,12 @@ def registry_backends(names: Collection[str] | None = None,
 
 def _member(member: Any, name: str, source: str, guard: ImportGuard) -> BackendUnderTest:
     def record(path: str, **fields: Any) -> BackendUnderTest:
-        return BackendUnderTest(name, path, source, overridden, family=FAMILY, **fields)
+        return BackendUnderTest(name, path, source, re_pointed, family=FAMILY, **fields)
 
     try:
-        overridden = bool(member.is_overridden())
+        re_pointed = bool(member.is_overridden())
     except Exception:
-        overridden = False
+        re_pointed = False
     try:
         path = str(member.get_path())
     except Exception as exc:  # a placeholder nothing registered (CUSTOM, TORCH_SDPA)
@@ -209,7 +209,7 @@ def _member(member: Any, name: str, source: str, guard: ImportGuard) -> BackendU
         cls = member.get_class()
     except Exception as exc:
         return record(path, error=describe_error(exc),
-                      unusable=None if overridden else why_unusable(path, exc))
+                      unusable=None if re_pointed else why_unusable(path, exc))
     return record(path, cls=cls)
 
 

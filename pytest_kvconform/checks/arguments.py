@@ -19,12 +19,13 @@ from pytest_kvconform.contract.clauses import AXES
 from pytest_kvconform.contract.records import BackendUnderTest, Case
 
 # The parameter names a check may take.
-NAMES = ("backend", "vllm_backend", "need", "need_backend", "layout", "case", "device", "workers", "worker",
-         "workers_device", "workers_factory", "memory_fraction")
+NAMES = ("backend", "vllm_backend", "need", "need_backend", "layout", "case", "device",
+         "workers", "worker", "workers_device", "workers_factory", "memory_fraction")
 # The suite fixture each parameter (and so each axis) comes from; ``request`` for what the
 # session's options give.
 FIXTURE: Mapping[str, str] = {
-    "backend": "kv_backend", "vllm_backend": "kv_backend", "need": "kv_need", "need_backend": "kv_need",
+    "backend": "kv_backend", "vllm_backend": "kv_backend", "need": "kv_need",
+    "need_backend": "kv_need",
     "layout": "kv_layout", "case": "kv_case", "device": "kv_device",
     "workers": "kv_workers", "worker": "kv_workers", "workers_device": "kv_workers",
     "workers_factory": "kv_workers", "memory_fraction": "request"}
@@ -52,8 +53,8 @@ def axis(name: str, *, backends: Sequence[BackendUnderTest], cases: Sequence[Cas
     check's ``clauses.Check.backend_family``), the two needs, the six layouts, or the
     cases ``predicate`` selects (all of them when it is None)."""
     if name == "backend":
-        chosen = tuple(b for b in backends if family is None or b.family == family)
-        return Axis(name, chosen, tuple(b.name for b in chosen))
+        picked = tuple(b for b in backends if family is None or b.family == family)
+        return Axis(name, picked, tuple(b.name for b in picked))
     if name == "need":
         return Axis(name, NEEDS, tuple(f"need_{n}" for n in NEEDS))
     if name == "layout":
