@@ -210,11 +210,13 @@ def backend_under_test(backend: Any) -> BackendUnderTest:
     """A :class:`BackendUnderTest` for a class, a registry name or an import path."""
     if isinstance(backend, BackendUnderTest):
         return backend
-    from pytest_kvconform.adapters import discovery
+    from pytest_kvconform.adapters import discovery, vllm_registry
 
     guard = isolated.probe(budget.DEFAULT_TIMEOUT_S)  # an import that hangs: never here
     if isinstance(backend, str):
         registry, note = discovery.registry_backends(guard=guard)
+        registry += vllm_registry.registry_backends(
+            {backend}, lambda path, name: discovery.guard_import(guard, path, name))[0]
         for found in registry:
             if found.name == backend:
                 return found
@@ -246,8 +248,11 @@ def _from_class(cls: type) -> BackendUnderTest:
         for found in registry:
             if found.cls is cls:
                 return found
+    from pytest_kvconform.adapters import vllm_registry
+
+    family = vllm_registry.FAMILY if vllm_registry.is_attention_backend(cls) else "diffusion"
     return BackendUnderTest(cls.__name__, f"{cls.__module__}.{cls.__qualname__}", API_SOURCE,
-                            cls=cls)
+                            cls=cls, family=family)
 
 
 def _cases(cases: Sequence[Case | str] | None) -> list[Case]:
@@ -305,7 +310,8 @@ def _plan(selected: Sequence[clauses_mod.Clause], backend: BackendUnderTest,
         for check in clause.checks:
             if check.seam and not seams:
                 continue
-            axes = expand(check.axes, backends=[backend], cases=cases, predicate=clause.cases)
+            axes = expand(check.axes, backends=[backend], cases=cases, predicate=clause.cases,
+                          family=check.backend_family)
             if any(a.name == "case" and not a.values for a in axes):
                 reason = (f"{clause.id}: none of the selected cases "
                           f"({', '.join(c.id for c in cases) or 'none'}) is one it runs on")

@@ -73,6 +73,10 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     config.addinivalue_line("markers", "kv_cases(predicate): select the spec cases a suite "
                             "test is parametrised with (predicate(case) -> bool)")
+    config.addinivalue_line("markers", "kv_vllm: a suite test of vLLM's own attention "
+                            "backends (the KV-V clauses)")
+    config.addinivalue_line("markers", "kv_diffusion: a suite test of the diffusion side "
+                            "(KV-L, S, N, A clauses)")
     signals = _run_signals(config)
     try:
         known = _startup_checks(config, options)  # before anything heavy is imported

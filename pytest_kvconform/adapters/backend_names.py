@@ -136,6 +136,34 @@ def registry_members() -> KnownNames:
                                  f"kvconform reads it ({OMNI_REGISTRY})"])
 
 
+VLLM_DIST = "vllm"
+VLLM_REGISTRY = "vllm.v1.attention.backends.registry"
+# vLLM's registries and the prefix discovery names their members with
+# (``adapters/vllm_registry.REGISTRIES``, kept stdlib-only here).
+VLLM_ENUMS = {"AttentionBackendEnum": "vllm.", "MambaAttentionBackendEnum": "vllm.mamba."}
+
+
+def vllm_registry_members() -> KnownNames:
+    """vLLM's own attention registries' members (``vllm.<MEMBER>``,
+    ``vllm.mamba.<MEMBER>``), read from its installed source."""
+    try:
+        dist = distribution(VLLM_DIST)
+    except PackageNotFoundError:
+        return KnownNames()
+    where = module_source(VLLM_REGISTRY, dist)
+    tree = _parse(where) if where is not None else None
+    found = KnownNames()
+    for node in _top_level(tree.body if tree is not None else ()):
+        if isinstance(node, ast.ClassDef) and node.name in VLLM_ENUMS:
+            found.names |= {VLLM_ENUMS[node.name] + target.id for stmt in node.body
+                            if isinstance(stmt, ast.Assign) for target in stmt.targets
+                            if isinstance(target, ast.Name) and not target.id.startswith("_")}
+    if not found.names:
+        found.undecided.append(f"vLLM's attention registry is not where this kvconform reads "
+                               f"it ({VLLM_REGISTRY})")
+    return found
+
+
 def entry_point_names() -> KnownNames:
     """Each ``pytest_kvconform.backends`` entry point's name; one whose target may be a
     callable (which names its backends only when called) leaves the names undecided."""
@@ -198,7 +226,7 @@ def platform_defaults() -> KnownNames:
 # Every source of backend names, in discovery's order.  A family of backends joins by adding
 # its function here.
 SOURCES: tuple[Callable[[], KnownNames], ...] = (
-    registry_members, platform_defaults, entry_point_names,
+    registry_members, platform_defaults, vllm_registry_members, entry_point_names,
 )
 
 

@@ -1,8 +1,9 @@
-"""Which diffusion attention backends exist, and why one is unusable.
+"""Which attention backends exist, and why one is unusable.
 
 Sources, in order: vllm-omni's ``DiffusionAttentionBackendEnum`` (each member
 resolved through ``get_class()`` so ``register_diffusion_backend`` overrides
-count), the current Omni platform's default choice, the
+count), the current Omni platform's default choice, vLLM's own attention registries
+(``adapters/vllm_registry.py``: family ``vllm``), the
 ``pytest_kvconform_backends`` hook and the ``pytest_kvconform.backends``
 entry-point group.  A backend that fails to import is still returned, with the
 error, so its tests report it instead of vanishing.  The result is sorted by
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
-from pytest_kvconform.adapters import compat
+from pytest_kvconform.adapters import compat, vllm_registry
 from pytest_kvconform.adapters.backend_names import ENTRY_POINT_GROUP
 from pytest_kvconform.adapters.omni_plugins import registry_snapshot
 from pytest_kvconform.contract.outcomes import describe_error
@@ -269,6 +270,28 @@ def entry_point_backends(guard: Guard = unguarded) -> list[BackendUnderTest]:
     return found
 
 
+def _add_vllm_backends(result: Discovery, origins: Origins | None,
+                       only: Collection[str] | None, guard: Guard) -> None:
+    """vLLM's own attention registries' members (family ``vllm``), after the plugins."""
+    found, left_out, note = vllm_registry.registry_backends(
+        only, lambda path, name: guard_import(guard, path, name))
+    if origins is not None:
+        found = [dataclasses.replace(b, origin=origins.origin_of(b.name, b.overridden))
+                 for b in found]
+    result.backends.extend(found)
+    result.left_out.extend(left_out)
+    if note:
+        result.notes.append(note)
+
+
+def _with_family(backend: BackendUnderTest) -> BackendUnderTest:
+    """A repository's backend (hook, entry point) as family ``vllm`` when its class is a
+    vLLM ``AttentionBackend`` subclass (not a diffusion one)."""
+    if backend.cls is not None and vllm_registry.is_attention_backend(backend.cls):
+        return dataclasses.replace(backend, family=vllm_registry.FAMILY)
+    return backend
+
+
 Registry = Callable[[Collection[str] | None], tuple[list[BackendUnderTest], str | None]]
 
 
@@ -313,12 +336,16 @@ def discover(hook_results: Iterable[Mapping[str, Any] | None] = (),
                 result.backends.append(extra)
             if note:
                 result.notes.append(note)
+    if include_registry and registry is None:
+        _add_vllm_backends(result, origins, only, guard)
+    repository: list[BackendUnderTest] = []
     for mapping in hook_results:
         if mapping:
-            result.backends.extend(_from_mapping(mapping, "hook", guard))
+            repository.extend(_from_mapping(mapping, "hook", guard))
     if include_entry_points:
-        result.backends.extend(entry_point_backends(guard))
-    result.left_out.sort()
+        repository.extend(entry_point_backends(guard))
+    result.backends.extend(_with_family(b) for b in repository)
+    result.left_out = sorted(set(result.left_out))
     seen: dict[str, BackendUnderTest] = {}
     for backend in result.backends:
         if backend.name in result.left_out:

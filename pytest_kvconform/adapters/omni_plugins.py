@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
+from pytest_kvconform.adapters import vllm_registry
 from pytest_kvconform.contract.outcomes import describe_error
 
 MODES = ("production", "none")
@@ -132,14 +133,15 @@ class PluginLoad:
 
 
 def registry_snapshot() -> Snapshot:
-    """Where each registry member resolves now (overrides count); {} without vllm-omni."""
+    """Where each registry member resolves now (overrides count): vllm-omni's diffusion
+    registry's, and vLLM's own attention registries' (``vllm.<MEMBER>``)."""
+    snap = vllm_registry.snapshot()
     try:
         from vllm_omni.diffusion.attention.backends.registry import (
             DiffusionAttentionBackendEnum,
         )
     except Exception:
-        return {}
-    snap = {}
+        return snap
     for member in DiffusionAttentionBackendEnum:
         try:
             snap[member.name] = str(member.get_path())
@@ -149,14 +151,16 @@ def registry_snapshot() -> Snapshot:
 
 
 def overridden_members() -> dict[str, str]:
+    """The members ``register_diffusion_backend`` or vLLM's ``register_backend`` re-pointed."""
+    found = vllm_registry.overridden()
     try:
         from vllm_omni.diffusion.attention.backends.registry import (
             DiffusionAttentionBackendEnum,
         )
     except Exception:
-        return {}
-    return {m.name: str(m.get_path()) for m in DiffusionAttentionBackendEnum
-            if m.is_overridden()}
+        return found
+    return {**found, **{m.name: str(m.get_path()) for m in DiffusionAttentionBackendEnum
+                        if m.is_overridden()}}
 
 
 def _changed(before: Snapshot, after: Snapshot) -> tuple[str, ...]:
@@ -287,6 +291,7 @@ def _restore_overrides(saved: dict[str, str]) -> None:
             register_diffusion_backend(member, saved[member.name])
         else:
             member.clear_override()
+    vllm_registry.restore(saved)
 
 
 def _reload_error(ep: EntryPoint) -> str:

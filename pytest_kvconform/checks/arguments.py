@@ -19,12 +19,13 @@ from pytest_kvconform.contract.clauses import AXES
 from pytest_kvconform.contract.records import BackendUnderTest, Case
 
 # The parameter names a check may take.
-NAMES = ("backend", "need", "need_backend", "layout", "case", "device", "workers", "worker",
-         "workers_device", "workers_factory", "memory_fraction")
+NAMES = ("backend", "vllm_backend", "need", "need_backend", "layout", "case", "device",
+         "workers", "worker", "workers_device", "workers_factory", "memory_fraction")
 # The suite fixture each parameter (and so each axis) comes from; ``request`` for what the
 # session's options give.
 FIXTURE: Mapping[str, str] = {
-    "backend": "kv_backend", "need": "kv_need", "need_backend": "kv_need",
+    "backend": "kv_backend", "vllm_backend": "kv_backend", "need": "kv_need",
+    "need_backend": "kv_need",
     "layout": "kv_layout", "case": "kv_case", "device": "kv_device",
     "workers": "kv_workers", "worker": "kv_workers", "workers_device": "kv_workers",
     "workers_factory": "kv_workers", "memory_fraction": "request"}
@@ -47,11 +48,13 @@ class Axis:
 
 
 def axis(name: str, *, backends: Sequence[BackendUnderTest], cases: Sequence[Case],
-         predicate: Callable[[Case], bool] | None = None) -> Axis:
-    """The values of axis ``name``: the backends, the two needs, the six layouts, or the
+         predicate: Callable[[Case], bool] | None = None, family: str | None = None) -> Axis:
+    """The values of axis ``name``: the backends (those of ``family``, when given: a
+    check's ``clauses.Check.backend_family``), the two needs, the six layouts, or the
     cases ``predicate`` selects (all of them when it is None)."""
     if name == "backend":
-        return Axis(name, tuple(backends), tuple(b.name for b in backends))
+        picked = tuple(b for b in backends if family is None or b.family == family)
+        return Axis(name, picked, tuple(b.name for b in picked))
     if name == "need":
         return Axis(name, NEEDS, tuple(f"need_{n}" for n in NEEDS))
     if name == "layout":
@@ -65,13 +68,13 @@ def axis(name: str, *, backends: Sequence[BackendUnderTest], cases: Sequence[Cas
 
 
 def expand(names: Sequence[str], *, backends: Sequence[BackendUnderTest],
-           cases: Sequence[Case], predicate: Callable[[Case], bool] | None = None
-           ) -> list[Axis]:
+           cases: Sequence[Case], predicate: Callable[[Case], bool] | None = None,
+           family: str | None = None) -> list[Axis]:
     """:func:`axis` for each of ``names``, in test-id order (:data:`AXES`)."""
     unknown = [n for n in names if n not in AXES]
     if unknown:
         raise KeyError(f"no parameter axis {unknown[0]!r} (known: {', '.join(AXES)})")
-    return [axis(n, backends=backends, cases=cases, predicate=predicate)
+    return [axis(n, backends=backends, cases=cases, predicate=predicate, family=family)
             for n in AXES if n in names]
 
 
@@ -99,7 +102,7 @@ class Sources:
 
 def argument(name: str, sources: Sources) -> Any:
     """The value of the check parameter ``name``."""
-    if name in ("backend", "need"):
+    if name in ("backend", "vllm_backend", "need"):
         return sources.who
     if name == "need_backend":
         from pytest_kvconform.checks.layout import seam_backend

@@ -21,7 +21,7 @@ from pytest_kvconform.checks.errors import (
 )
 from pytest_kvconform.contract import memory
 from pytest_kvconform.contract.outcomes import bracketed
-from pytest_kvconform.contract.records import BackendUnderTest, Case
+from pytest_kvconform.contract.records import NOT_SELECTED, BackendUnderTest, Case
 from pytest_kvconform.workers import budget, isolated
 
 
@@ -146,7 +146,9 @@ def allocating(where: Where, what: str, asked: int) -> Iterator[None]:
 def backend_class(clause: str, backend: BackendUnderTest) -> Any:
     """The backend's class, or the skip that reports why it cannot be imported."""
     if backend.source == "none":  # nothing was discovered; the reason says why
-        raise ClauseSkip(clause, backend.error or "no backend discovered", SkipKind.ENVIRONMENT)
+        kind = SkipKind.NOT_APPLICABLE if backend.unusable == NOT_SELECTED else \
+            SkipKind.ENVIRONMENT
+        raise ClauseSkip(clause, backend.error or "no backend discovered", kind)
     if backend.cls is None:
         raise ClauseSkip(clause, f"backend {backend.name} is not importable: {backend.error} "
                          f"(from {backend.source} {backend.path})", SkipKind.BACKEND)

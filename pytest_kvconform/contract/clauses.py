@@ -37,12 +37,13 @@ if TYPE_CHECKING:
     from pytest_kvconform.contract.records import Case
 
 # The contract's sections, in its order: the order of the report's columns.
-FAMILY_ORDER = "LSNA"
+FAMILY_ORDER = "LSNAV"
 FAMILY_TITLES: Mapping[str, str] = {
     "L": "layout contract",
     "S": "stride derivation",
     "N": "null-block sizing",
     "A": "control plane to worker adoption",
+    "V": "vLLM attention backends",
 }
 # The suite module that generates each family's tests (``pytest_kvconform/suite/<name>.py``):
 # their ids read ``kvconform/test_layout.py::test_kv_l1[FLASH_ATTN]``.  A family without one
@@ -52,6 +53,7 @@ FAMILY_MODULES: Mapping[str, str] = {
     "S": "test_strides",
     "N": "test_nullblock",
     "A": "test_adoption",
+    "V": "test_vllm",
 }
 # The one clause-id grammar: ``KV-L2`` is family L, number 2.
 CLAUSE_RE = re.compile(rf"^KV-(?P<family>[{FAMILY_ORDER}])(?P<number>[0-9]+)$")
@@ -60,7 +62,9 @@ TEST_NAME_RE = re.compile(rf"^test_kv_(?P<family>[{FAMILY_ORDER.lower()}])(?P<nu
                           r"(?:_(?P<variant>\w+?))?(?:\[|$)")
 
 # What a check is called with, in order (the suite's fixture of the same meaning in brackets):
-#   backend         the BackendUnderTest                                  [kv_backend]
+#   backend         the BackendUnderTest (a diffusion backend)            [kv_backend]
+#   vllm_backend    the BackendUnderTest (one of vLLM's own attention      [kv_backend]
+#                   backends, family "vllm": the V family's)
 #   need            False / True, the control plane's explicit seam       [kv_need]
 #   need_backend    a stand-in backend declaring the need                 [layout.seam_backend]
 #   layout          one of the six physical layouts                       [kv_layout]
@@ -73,14 +77,18 @@ TEST_NAME_RE = re.compile(rf"^test_kv_(?P<family>[{FAMILY_ORDER.lower()}])(?P<nu
 #   workers_device  the device the workers were placed from              [kv_workers.device]
 #   workers_factory a callable returning ``workers`` (started on demand)
 #   memory_fraction the share of free device memory KV-A6 allocates       [--kv-memory-fraction]
-Arg = Literal["backend", "need", "need_backend", "layout", "case", "device", "workers",
-              "worker", "workers_device", "workers_factory", "memory_fraction"]
+Arg = Literal["backend", "vllm_backend", "need", "need_backend", "layout", "case", "device",
+              "workers", "worker", "workers_device", "workers_factory", "memory_fraction"]
 # The parameter axes a check runs over, in test-id order (``test_kv_a1_seam[need_True-ws2]``);
 # ``checks/arguments.py`` expands them for the suite and for ``check_backend`` alike.
 AXES: tuple[str, ...] = ("backend", "need", "layout", "case")
-WHO_ARGS: frozenset[str] = frozenset({"backend", "need", "need_backend"})
+WHO_ARGS: frozenset[str] = frozenset({"backend", "vllm_backend", "need", "need_backend"})
+# The arguments that are a discovered backend, and the family of backends each runs over
+# (``BackendUnderTest.family``): a diffusion clause never runs on vLLM's own backends, nor
+# a V clause on a diffusion backend.
+BACKEND_ARGS: Mapping[str, str] = {"backend": "diffusion", "vllm_backend": "vllm"}
 WORKER_ARGS: frozenset[str] = frozenset({"workers", "worker", "workers_factory"})
-AppliesTo = Literal["backend", "layout x case", "case", "backend x case"]
+AppliesTo = Literal["backend", "layout x case", "case", "backend x case", "vLLM backend"]
 # Whom a result speaks for: the backend under test (what its class and its declaration
 # decide) or the serving stack (vLLM / vllm-omni: the seam controls, the upstream families,
 # and the stack's own guards even where they run on a backend).  A backend-scoped run's
@@ -173,7 +181,17 @@ class Check:
     @property
     def subject(self) -> Subject:
         """Whom this control's results speak for (see :data:`Subject`)."""
-        return "backend" if "backend" in self.args and not self.guards_stack else "stack"
+        return "backend" if self.takes_backend and not self.guards_stack else "stack"
+
+    @property
+    def takes_backend(self) -> bool:
+        """Whether it runs on a discovered backend (of either family)."""
+        return any(a in BACKEND_ARGS for a in self.args)
+
+    @property
+    def backend_family(self) -> str:
+        """The family of backends its backend axis runs over (``diffusion``, ``vllm``)."""
+        return next((BACKEND_ARGS[a] for a in self.args if a in BACKEND_ARGS), "diffusion")
 
     def resolve(self) -> Callable[..., None]:
         """The check function itself (imports its module now, not before)."""
@@ -184,7 +202,8 @@ class Check:
     @property
     def axes(self) -> tuple[str, ...]:
         """The parameters a run of this check varies over, in test-id order."""
-        named = {"need" if a == "need_backend" else a for a in self.args}
+        named = {"need" if a == "need_backend" else "backend" if a in BACKEND_ARGS else a
+                 for a in self.args}
         return tuple(a for a in AXES if a in named)
 
     @property
@@ -198,7 +217,7 @@ class Check:
         declaration read in a child of its own (:attr:`declaration_only`), and drives no
         KV-A worker (whose pipes live in that process; the calls it makes itself are each
         made in a child)."""
-        return "backend" in self.args and not self.needs_workers and not self.declaration_only
+        return self.takes_backend and not self.needs_workers and not self.declaration_only
 
 
 @dataclass(frozen=True)
@@ -251,6 +270,12 @@ def _guard(module: str, name: str, *args: Arg, variant: str = "",
 def _l(n: int, title: str, *checks: Check, forgiven: frozenset[SkipKind] = ALWAYS_FORGIVEN
        ) -> Clause:
     return Clause(f"KV-L{n}", title, "backend", checks, forgiven)
+
+
+def _v(n: int, title: str, *checks: Check) -> Clause:
+    """A clause on vLLM's own attention backends (family ``vllm``); a CPU host forgives a
+    member whose in-tree class needs CUDA to import."""
+    return Clause(f"KV-V{n}", title, "vLLM backend", checks, HARDWARE_FORGIVEN)
 
 
 def _s(n: int, title: str, cases: Callable[[Case], bool], *checks: Check) -> Clause:
@@ -347,6 +372,14 @@ CLAUSES: tuple[Clause, ...] = (
     _a(5, "Several ranks, one process each", adoption_multi_rank, "case", "workers",
        module="adoption_bytes"),
     _a(6, "Real allocation at scale", adoption_single_rank, *_A6_ARGS, module="adoption_bytes"),
+    # vLLM's own attention backends (AttentionBackendEnum, MambaAttentionBackendEnum and the
+    # repository's): two controls each.  KV-V3 (Resolution), KV-V4 (Adoption) and KV-V5
+    # (Strides and null block) are reserved for the clauses that follow.
+    _v(1, "Registration", _c("vllm_backends", "check_kv_v1", "vllm_backend"),
+       # The registry's own entry: a path to a module the installed vLLM has.
+       _guard("vllm_backends", "check_kv_v1_module", "vllm_backend", variant="module")),
+    _v(2, "Declaration", _c("vllm_backends", "check_kv_v2", "vllm_backend"),
+       _c("vllm_backends", "check_kv_v2_page", "vllm_backend", variant="page")),
 )
 BY_ID: Mapping[str, Clause] = {c.id: c for c in CLAUSES}
 # The skip kinds strict qualification forgives some clause (the report's global rule).
@@ -366,7 +399,7 @@ def parse_clause(clause: str) -> tuple[str, int]:
 
 
 def clause_sort_key(clause: str) -> tuple[int, int, str]:
-    """Contract order: L, S, N, A families, then by number (KV-L2 before KV-L10)."""
+    """Contract order: L, S, N, A, V families, then by number (KV-L2 before KV-L10)."""
     m = CLAUSE_RE.match(clause)
     if m is None:
         return (len(FAMILY_ORDER) + 1, 0, clause)

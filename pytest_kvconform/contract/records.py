@@ -51,9 +51,14 @@ API_SOURCE = "api"
 UNREGISTERED_SOURCES = frozenset({"platform", API_SOURCE})
 
 
+# BackendUnderTest.unusable of the stand-in a run parametrises a family's clauses with when
+# --kv-backend named no backend of that family: they do not apply to the run.
+NOT_SELECTED = "not-selected"
+
+
 @dataclass(frozen=True)
 class BackendUnderTest:
-    """One diffusion attention backend as discovered, importable or not.
+    """One attention backend as discovered, importable or not (its ``family`` says whose).
 
     ``cls`` is None when the backend failed to import; ``error`` then says why,
     and every test of the backend reports it instead of silently vanishing.
@@ -67,6 +72,12 @@ class BackendUnderTest:
     error: str | None = None
     # Who put the class there: "in-tree", or the plugin's distribution and entry point.
     origin: str | None = None
+    # "diffusion" (vllm-omni's diffusion attention backends: the L, A families) or "vllm"
+    # (vLLM's own AttentionBackend classes: the V family).
+    family: str = "diffusion"
+    # Why a vLLM registry member is unusable here, when that is no fault of the backend
+    # ("unregistered", "missing-module", "hardware": adapters/vllm_registry.py); None else.
+    unusable: str | None = field(default=None, compare=False)
 
     @property
     def importable(self) -> bool:
@@ -76,7 +87,7 @@ class BackendUnderTest:
         """The backend as the report and the terminal matrix hold it (JSON values)."""
         return {"name": self.name, "path": self.path, "source": self.source,
                 "overridden": bool(self.overridden), "importable": self.importable,
-                "reason": self.error, "origin": self.origin}
+                "reason": self.error, "origin": self.origin, "family": self.family}
 
 
 @dataclass(frozen=True)

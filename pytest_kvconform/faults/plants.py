@@ -492,3 +492,72 @@ TRUNCATES_PARTIAL_BLOCK = declare(
     "last block from the null block",
     Patch(f"{_STANDINS}:PagedOk.IMPL", _read("TruncatesPartialBlock")),
     backend="PAGED_OK", family=PAGED_READ)
+
+
+# --- KV-V: vLLM's own attention backends ------------------------------------------------------
+
+# The in-tree backend the V faults are planted in (CPU_ATTN: it imports on a CPU host), by
+# its discovery name and where production looks its class up.
+VLLM_PLAIN = "vllm.CPU_ATTN"
+_CPU_ATTN = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend"
+_VLLM_REGISTRY = "vllm.v1.attention.backends.registry:AttentionBackendEnum.get_path"
+
+
+def _layouts_as_names(original: Any) -> Any:
+    """The declaration names its layouts (``"LBHNC"``) instead of giving the members."""
+    def supported_kv_cache_layouts(cls: Any) -> Any:
+        return tuple(layout.name for layout in original())
+    return classmethod(supported_kv_cache_layouts)
+
+
+def _no_layouts(original: Any) -> Any:
+    """The declaration gives an empty tuple: no layout at all."""
+    def supported_kv_cache_layouts(cls: Any) -> Any:
+        return ()
+    return classmethod(supported_kv_cache_layouts)
+
+
+def _mis_sized_page(original: Any) -> Any:
+    """``customize_spec`` gives every page twice the head slots it holds (K and V counted
+    twice), so the allocator sizes twice the page the kernels read."""
+    def customize_spec(cls: Any, spec: Any) -> Any:
+        out = original(spec)
+        return dataclasses.replace(out, num_head_slots=2 * out.num_kv_heads)
+    return classmethod(customize_spec)
+
+
+def _misnamed(original: Any) -> Any:
+    """``get_name`` answers to a name that is no member of the registry."""
+    def get_name() -> str:
+        return "CPU_ATTENTION"
+    return staticmethod(get_name)
+
+
+def _missing_module(original: Any) -> Any:
+    """The registry points CPU_ATTN at a module the installed vLLM does not have."""
+    def get_path(self: Any, include_classname: bool = True) -> str:
+        if self.name == "CPU_ATTN":
+            path = "vllm.v1.attention.backends.cpu_attention.CPUAttentionBackend"
+            return path if include_classname else path.rpartition(".")[0]
+        return str(original(self, include_classname))
+    return get_path
+
+
+LAYOUTS_AS_NAMES = declare(
+    "vllm_layouts_as_names", ("KV-V2",), "CPU_ATTN's supported_kv_cache_layouts() returns "
+    "layout names (str), not KVCacheLayout members",
+    Patch(f"{_CPU_ATTN}.supported_kv_cache_layouts", _layouts_as_names), backend=VLLM_PLAIN)
+NO_LAYOUTS = declare(
+    "vllm_no_layouts", ("KV-V2",), "CPU_ATTN's supported_kv_cache_layouts() returns an empty "
+    "tuple", Patch(f"{_CPU_ATTN}.supported_kv_cache_layouts", _no_layouts), backend=VLLM_PLAIN)
+MIS_SIZED_PAGE = declare(
+    "vllm_mis_sized_page", ("KV-V2",), "CPU_ATTN's customize_spec() doubles the head slots of "
+    "an unquantized page", Patch(f"{_CPU_ATTN}.customize_spec", _mis_sized_page),
+    backend=VLLM_PLAIN)
+MISNAMED_VLLM_BACKEND = declare(
+    "vllm_misnamed_backend", ("KV-V1",), "CPU_ATTN's get_name() answers to no registry "
+    "member's name", Patch(f"{_CPU_ATTN}.get_name", _misnamed), backend=VLLM_PLAIN)
+MISSING_MODULE = declare(
+    "vllm_registry_missing_module", ("KV-V1",), "AttentionBackendEnum.CPU_ATTN points at a "
+    "module the installed vLLM does not have", Patch(_VLLM_REGISTRY, _missing_module),
+    backend=VLLM_PLAIN)

@@ -86,7 +86,8 @@ def _worker(name: str, clauses: tuple[str, ...], cases: tuple[str, ...] = ("bf16
 
 
 # The registry's family of a planted fault, by its first clause's family.
-_FAMILIES = {"L": "layout", "S": "strides", "N": "null block", "A": "adoption"}
+_FAMILIES = {"L": "layout", "S": "strides", "N": "null block", "A": "adoption",
+             "V": "vllm backends"}
 
 
 def _planted(plant: plants.Planted) -> Fault:

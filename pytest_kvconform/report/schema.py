@@ -69,8 +69,11 @@ ENV_KEYS = (
 )
 DEVICE_KEYS = ("name", "memory_bytes", "driver", "cuda")
 BACKEND_KEYS = ("name", "path", "source", "overridden", "importable", "reason")
-# origin: "in-tree", or the distribution / entry point whose plugin re-pointed the member.
-BACKEND_OPTIONAL_KEYS = ("origin",)
+# origin: "in-tree", or the distribution / entry point whose plugin re-pointed the member;
+# family: whose backend it is ("diffusion": vllm-omni's; "vllm": vLLM's own), absent from
+# reports written before vLLM's backends were checked (read as "diffusion").
+BACKEND_OPTIONAL_KEYS = ("origin", "family")
+BACKEND_FAMILIES = ("diffusion", "vllm")
 # plugins: what loading vLLM / vllm-omni plugins did (omni_plugins.PluginLoad.as_dict());
 # seeded_faults: the $KVCONFORM_WORKER_FAULT values the run's KV-A workers ran under;
 # import_log: what importing the serving stack printed during discovery, one
@@ -156,6 +159,9 @@ def validate_report(obj: Any) -> None:
         where = f"$.backends[{i}]"
         expect_keys(backend, where, BACKEND_KEYS, BACKEND_OPTIONAL_KEYS)
         expect_type(backend.get("origin"), f"{where}.origin", str, none=True)
+        if backend.get("family", "diffusion") not in BACKEND_FAMILIES:
+            raise ReportError(f"{where}.family", f"expected one of {BACKEND_FAMILIES}, got "
+                              f"{backend.get('family')!r}")
         for key in ("name", "path", "source"):
             expect_type(backend[key], f"{where}.{key}", str)
         for key in ("overridden", "importable"):

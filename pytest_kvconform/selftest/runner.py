@@ -52,7 +52,7 @@ def _prepared(faults: Sequence[Fault]) -> Iterator[_Stack]:
     """The stack imported, plugins loaded, backends discovered here (once, before any child
     is forked; what that prints is captured); the KV-A workers' fork server started if a
     fault's checks need workers."""
-    from pytest_kvconform.adapters import discovery, omni_plugins
+    from pytest_kvconform.adapters import discovery, omni_plugins, vllm_registry
     from pytest_kvconform.workers import handle, protocol
 
     started_server = _needs_workers(faults) and forkserver.start(
@@ -65,8 +65,9 @@ def _prepared(faults: Sequence[Fault]) -> Iterator[_Stack]:
                 with contextlib.suppress(ImportError):
                     importlib.import_module(name)
             omni_plugins.load_plugins("production")
-            registry, _ = discovery.registry_backends(  # only those the checks run on
-                {f.backend for f in faults if f.backend is not None})
+            named = {f.backend for f in faults if f.backend is not None}
+            registry, _ = discovery.registry_backends(named)  # only those the checks run on
+            registry += vllm_registry.registry_backends(named)[0]
             for fault in faults:
                 for clause in clauses_mod.select(fault.clauses):
                     for check in clause.checks:

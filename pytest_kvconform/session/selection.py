@@ -23,9 +23,9 @@ from pytest_kvconform.adapters.omni_plugins import load_plugins
 from pytest_kvconform.checks.arguments import FIXTURE, expand
 from pytest_kvconform.contract import cases as cases_mod
 from pytest_kvconform.contract import inert
-from pytest_kvconform.contract.clauses import AXES, clause_from_test_name
+from pytest_kvconform.contract.clauses import AXES, check_names, clause_from_test_name
 from pytest_kvconform.contract.outcomes import describe_error
-from pytest_kvconform.contract.records import BackendUnderTest, Case
+from pytest_kvconform.contract.records import NOT_SELECTED, BackendUnderTest, Case
 from pytest_kvconform.report.verdict import describe_altered
 from pytest_kvconform.session import failure_repr, integrity
 from pytest_kvconform.session import xdist as xdist_hooks
@@ -264,13 +264,18 @@ class KvSelection:
         axes = [axis for axis in AXES if FIXTURE[axis] in names]
         if not axes:
             return
-        backends: list[Any] = list(self.discovery.backends)
+        row = check_names().get(metafunc.function.__name__)
+        family = row[1].backend_family if row is not None else "diffusion"
+        backends: list[Any] = [b for b in self.discovery.backends if b.family == family]
         if not backends:
-            reason = "; ".join(self.discovery.notes) or "no backend discovered"
-            backends = [_NoBackend(reason)]
+            reason = "; ".join(self.discovery.notes) or f"no {family} backend discovered"
+            if self.options.backends:
+                reason = f"--kv-backend names no {family} backend"
+            backends = [_NoBackend(reason, family, selected=bool(self.options.backends))]
         marker = metafunc.definition.get_closest_marker("kv_cases")
         for axis in expand(axes, backends=backends, cases=self.cases,
-                           predicate=marker.args[0] if marker is not None else None):
+                           predicate=marker.args[0] if marker is not None else None,
+                           family=family):
             metafunc.parametrize(axis.fixture, list(axis.values), ids=list(axis.ids))
 
     # tryfirst: every collected test counts for stale-entry detection, also those
@@ -442,8 +447,11 @@ def _hook_failure(impls: list[Any], exc: BaseException) -> str:
 class _NoBackend(BackendUnderTest):
     """Stands in when no backend could be discovered, so the reason is reported."""
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(NO_BACKEND_ID, "", "none", error=reason)
+    def __init__(self, reason: str, family: str = "diffusion", selected: bool = False) -> None:
+        # ``selected``: --kv-backend named backends of the other family only; this family's
+        # clauses then do not apply to the run (a not-applicable skip).
+        super().__init__(NO_BACKEND_ID, "", "none", error=reason, family=family,
+                         unusable=NOT_SELECTED if selected else None)
 
 
 def _versions_for_xfails() -> dict[str, str | None]:

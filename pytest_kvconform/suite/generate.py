@@ -71,4 +71,16 @@ def generate(namespace: dict[str, Any]) -> list[str]:
         else:
             namespace[name] = generated_test(row, check, namespace["__name__"])
             added.append(name)
+        namespace[name] = family_marker(row)(namespace[name])
     return added
+
+
+# The marker of each side of the contract (``-m kv_vllm`` selects vLLM's own backends'
+# clauses, ``-m kv_diffusion`` every other suite test); the plugin registers both.
+FAMILY_MARKERS = {"vllm": "kv_vllm", "diffusion": "kv_diffusion"}
+
+
+def family_marker(row: clauses.Clause) -> pytest.MarkDecorator:
+    """The family marker of a row's tests: the V family's ``kv_vllm``, else ``kv_diffusion``."""
+    family = "vllm" if row.family == "V" else "diffusion"
+    return getattr(pytest.mark, FAMILY_MARKERS[family])
