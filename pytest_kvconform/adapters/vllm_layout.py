@@ -1,0 +1,169 @@
+"""Production's layout resolution for vLLM's own attention backends (KV-V3, KV-V4).
+
+The installed functions are found by feature detection (never a version string):
+``get_supported_kv_cache_layouts`` (a worker intersects its backends' declarations),
+``resolve_kv_cache_layout`` (the engine core resolves one layout over the ranks) and
+``record_kv_cache_layout`` (a worker adopts it), in ``vllm.v1.attention.backends.utils``.
+Everything here returns plain data (layout names, refusals as text), so it can run in a
+child that calls into a backend's class and send the answer back.
+vLLM is imported lazily, inside functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_kvconform.adapters import run_env
+from pytest_kvconform.contract.outcomes import SkipKind, Unsupported
+
+UTILS = "vllm.v1.attention.backends.utils"
+FUNCTIONS = ("get_supported_kv_cache_layouts", "resolve_kv_cache_layout",
+             "record_kv_cache_layout")
+ENV_VAR = "VLLM_KV_CACHE_LAYOUT"
+CONNECTOR_MODULE = "pytest_kvconform.adapters.vllm_connector"
+CONNECTOR_CLASS = "KvConformConnector"
+CONNECTOR_KEY = "kvconform_required_layout"
+
+
+def production() -> Any:
+    """The module holding production's three functions, or ``Unsupported`` naming the gap."""
+    try:
+        module = importlib.import_module(UTILS)
+    except ImportError as exc:
+        raise Unsupported(f"{UTILS} does not import: {exc}", SkipKind.ENVIRONMENT) from None
+    missing = [name for name in FUNCTIONS if not callable(getattr(module, name, None))]
+    if missing:
+        raise Unsupported(f"installed vLLM has no {', '.join(missing)} in {UTILS}: it "
+                          "resolves no layout from its backends' declarations",
+                          SkipKind.NOT_APPLICABLE)
+    return module
+
+
+def declares_layouts(cls: Any) -> bool:
+    """Whether the class has the declaration at all (read without running its code)."""
+    import inspect
+
+    return inspect.getattr_static(cls, "supported_kv_cache_layouts", None) is not None
+
+
+def declaration(cls: Any) -> tuple[str, ...] | None:
+    """``cls.supported_kv_cache_layouts()`` as names (runs the backend's code: bound it)."""
+    found = cls.supported_kv_cache_layouts()
+    if found is None:
+        return None
+    return tuple(_name(member) for member in found)
+
+
+def _name(member: Any) -> str:
+    return str(getattr(member, "name", member))
+
+
+@dataclass(frozen=True)
+class Got:
+    """What production gave: a value (names, or one name), or the exception it raised."""
+
+    value: tuple[str, ...] | str | None = None
+    raised: str | None = None  # "ValueError: ..." when it refused
+
+    def __str__(self) -> str:
+        if self.raised is not None:
+            return f"raised {self.raised}"
+        if isinstance(self.value, tuple):
+            return "[" + ", ".join(self.value) + "]"
+        return str(self.value)
+
+
+def _raised(exc: BaseException) -> Got:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return Got(raised=f"{type(exc).__name__}: {text}"[:300])
+
+
+def worker_layouts(classes: Sequence[Any]) -> Got:
+    """Production's ``get_supported_kv_cache_layouts`` for one worker's backends."""
+    module = production()
+    try:
+        found = module.get_supported_kv_cache_layouts(list(classes))
+    except Exception as exc:
+        return _raised(exc)
+    return Got(tuple(_name(member) for member in found))
+
+
+def vllm_config(*, connector: str | None = None, pinned: str | None = None) -> Any:
+    """A bare ``VllmConfig`` (CPU device); ``connector``: a connector requiring that layout
+    (the stand-in in ``vllm_connector.py``); ``pinned``: the layout already recorded."""
+    from vllm.config import DeviceConfig, VllmConfig
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    if connector is not None:
+        from vllm.config import KVTransferConfig
+
+        config.kv_transfer_config = KVTransferConfig(
+            kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both", kv_connector_extra_config={CONNECTOR_KEY: connector})
+    if pinned is not None:
+        config.cache_config.kv_cache_layout = pinned
+    return config
+
+
+def page_specs(mixed: bool) -> list[Any]:
+    """Attention specs of a model: one page shape, or two (``mixed``: different head counts)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    one = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    if not mixed:
+        return [one, one]
+    return [one, FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64,
+                                   dtype=torch.bfloat16)]
+
+
+@contextlib.contextmanager
+def env_layout(value: str | None) -> Iterator[None]:
+    """For the duration: ``$VLLM_KV_CACHE_LAYOUT`` is ``value`` (unset when None)."""
+    with run_env.variable_set(ENV_VAR, value):
+        yield
+
+
+def resolve(ranks: Sequence[Sequence[str]], *, mixed_pages: bool = False,
+            env: str | None = None, connector: str | None = None,
+            pinned: str | None = None) -> Got:
+    """Production's ``resolve_kv_cache_layout`` over ``ranks`` (each rank's names).
+
+    The name it returns must be the one it records on the config: a disagreement is given
+    as a raised ``AssertionError`` naming both (never a layout it did not pin)."""
+    module = production()
+    try:
+        config = vllm_config(connector=connector, pinned=pinned)
+        with env_layout(env):
+            layout = module.resolve_kv_cache_layout(
+                config, [list(r) for r in ranks], page_specs(mixed_pages))
+    except Exception as exc:
+        return _raised(exc)
+    name = _name(layout)
+    recorded = config.cache_config.kv_cache_layout
+    if recorded is None or _canonical_recorded(recorded) != name:
+        return Got(raised=f"returned {name} but recorded {recorded!r} on the config")
+    return Got(name)
+
+
+def _canonical_recorded(recorded: str) -> str:
+    from vllm.config.cache import _LAYOUT_COMPAT_ALIASES
+
+    return str(_LAYOUT_COMPAT_ALIASES.get(recorded, recorded))
+
+
+def aliases() -> dict[str, str]:
+    """The legacy names the installed vLLM accepts (alias -> canonical); empty if none."""
+    module = importlib.import_module("vllm.config.cache")
+    return dict(getattr(module, "_LAYOUT_COMPAT_ALIASES", {}) or {})
+
+
+def enum_names() -> tuple[str, ...]:
+    """The installed ``KVCacheLayout``'s members, in order."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return tuple(member.name for member in KVCacheLayout)
