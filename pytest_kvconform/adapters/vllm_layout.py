@@ -167,3 +167,59 @@ def enum_names() -> tuple[str, ...]:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     return tuple(member.name for member in KVCacheLayout)
+
+
+# --- the engine core's RPC to the workers (KV-V4) ---------------------------------------
+
+EXECUTOR = "vllm.v1.executor.abstract:Executor.set_kv_cache_layout"
+WORKER = "vllm.v1.worker.worker_base:WorkerBase"
+RUN_METHOD = "vllm.v1.serial_utils:run_method"
+
+
+class WireExecutor:
+    """Stands in for a multiproc executor's transport only: production's
+    ``Executor.set_kv_cache_layout`` is run on it, and its ``collective_rpc`` serialises the
+    call with the executor's own broadcast queue (``executor_wire.encode``) instead of
+    sending it; the frames are what a worker process receives."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.how = ""
+
+    def collective_rpc(self, method: str, timeout: float | None = None,
+                       args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                       **_: Any) -> list[Any]:
+        from pytest_kvconform.adapters import executor_wire
+
+        # vLLM's MultiprocExecutor.collective_rpc enqueues (method, args, kwargs, output_rank).
+        message = (method, tuple(args), dict(kwargs or {}), None)
+        self.frames, self.how = executor_wire.encode(message)
+        return [None]
+
+
+def executor_frames(layout_name: str) -> tuple[list[bytes], str]:
+    """The frames production's executor sends for ``set_kv_cache_layout(layout_name)``."""
+    from vllm.v1.executor.abstract import Executor
+
+    wire = WireExecutor()
+    Executor.set_kv_cache_layout(wire, layout_name)  # type: ignore[arg-type]
+    return wire.frames, wire.how
+
+
+def production_worker() -> Any:
+    """Production's ``WorkerBase`` on a fresh CPU config whose layout is unpinned."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    return WorkerBase(vllm_config(), local_rank=0, rank=0,
+                      distributed_init_method="tcp://127.0.0.1:0", is_driver_worker=True)
+
+
+def worker_receives(worker: Any, frames: Sequence[bytes]) -> Any:
+    """The worker process's side of one RPC: decode the frames as its queue does, run the
+    method on the worker as ``WorkerProc`` does (``run_method``: ``getattr`` and call)."""
+    from vllm.v1.serial_utils import run_method
+
+    from pytest_kvconform.adapters import executor_wire
+
+    method, args, kwargs, _output_rank = executor_wire.decode(frames)
+    return run_method(worker, method, tuple(args), dict(kwargs))
