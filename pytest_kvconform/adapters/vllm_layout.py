@@ -177,33 +177,46 @@ RUN_METHOD = "vllm.v1.serial_utils:run_method"
 
 
 class WireExecutor:
-    """Stands in for a multiproc executor's transport only: production's
-    ``Executor.set_kv_cache_layout`` is run on it, and its ``collective_rpc`` serialises the
-    call with the executor's own broadcast queue (``executor_wire.encode``) instead of
-    sending it; the frames are what a worker process receives."""
+    """Stands in for a multiproc executor's transport only: production's ``Executor``
+    methods are run on it, and its ``collective_rpc`` serialises the call as vLLM's
+    ``MultiprocExecutor.collective_rpc`` does (a callable by cloudpickle; the request by the
+    executor's own broadcast queue, ``executor_wire.encode``) instead of sending it; the
+    frames are what a worker process receives."""
 
     def __init__(self) -> None:
         self.frames: list[bytes] = []
         self.how = ""
 
-    def collective_rpc(self, method: str, timeout: float | None = None,
+    def collective_rpc(self, method: Any, timeout: float | None = None,
                        args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                        **_: Any) -> list[Any]:
         from pytest_kvconform.adapters import executor_wire
 
+        if not isinstance(method, str):
+            import pickle
+
+            cloudpickle: Any = importlib.import_module("cloudpickle")  # vLLM's dependency
+            method = cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
         # vLLM's MultiprocExecutor.collective_rpc enqueues (method, args, kwargs, output_rank).
-        message = (method, tuple(args), dict(kwargs or {}), None)
-        self.frames, self.how = executor_wire.encode(message)
+        self.frames, self.how = executor_wire.encode((method, tuple(args), dict(kwargs or {}),
+                                                      None))
         return [None]
 
 
 def executor_frames(layout_name: str) -> tuple[list[bytes], str]:
-    """The frames production's executor sends for ``set_kv_cache_layout(layout_name)``."""
+    """The frames production's ``Executor.set_kv_cache_layout(layout_name)`` sends."""
     from vllm.v1.executor.abstract import Executor
 
     wire = WireExecutor()
-    Executor.set_kv_cache_layout(wire, layout_name)  # type: ignore[arg-type]
+    Executor.set_kv_cache_layout(wire, layout_name)
     return wire.frames, wire.how
+
+
+def rpc_frames(method: Any, *args: Any) -> list[bytes]:
+    """The frames of ``collective_rpc(method, args=args)`` (a callable: by cloudpickle)."""
+    wire = WireExecutor()
+    wire.collective_rpc(method, args=args)
+    return wire.frames
 
 
 def production_worker() -> Any:
@@ -214,12 +227,75 @@ def production_worker() -> Any:
                       distributed_init_method="tcp://127.0.0.1:0", is_driver_worker=True)
 
 
-def worker_receives(worker: Any, frames: Sequence[bytes]) -> Any:
-    """The worker process's side of one RPC: decode the frames as its queue does, run the
-    method on the worker as ``WorkerProc`` does (``run_method``: ``getattr`` and call)."""
-    from vllm.v1.serial_utils import run_method
+def production_worker_proc() -> Any:
+    """What a vLLM worker process holds: production's ``WorkerWrapperBase`` (its RPC target)
+    around :func:`production_worker` (``init_worker`` needs a model config, none here)."""
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
 
+    wrapper = WorkerWrapperBase(rpc_rank=0)
+    wrapper.worker = production_worker()
+    wrapper.vllm_config = wrapper.worker.vllm_config
+    return wrapper
+
+
+def worker_proc_receives(wrapper: Any, frames: Sequence[bytes]) -> Any:
+    """The worker process's side of one RPC: the frames decoded as its queue decodes them,
+    then production's ``WorkerProc._execute_worker_rpc`` (found by feature detection; else
+    its dispatch, ``run_method``) on a stand-in holding the wrapper; its output, or the
+    exception the method raised, raised here."""
     from pytest_kvconform.adapters import executor_wire
 
-    method, args, kwargs, _output_rank = executor_wire.decode(frames)
-    return run_method(worker, method, tuple(args), dict(kwargs))
+    request = executor_wire.decode(frames)
+    execute = _worker_proc_execute()
+    if execute is None:
+        from vllm.v1.serial_utils import run_method
+
+        method, args, kwargs, _rank = request
+        return run_method(wrapper, method, tuple(args), dict(kwargs))
+    outputs: list[Any] = []
+    proc = _ProcSide(wrapper, outputs)
+    execute(proc, request)
+    if not outputs:
+        raise RuntimeError("WorkerProc._execute_worker_rpc handed back no output")
+    if isinstance(outputs[0], BaseException):
+        raise outputs[0]
+    return outputs[0]
+
+
+@dataclass
+class _ProcSide:
+    """The state ``WorkerProc._execute_worker_rpc`` reads: the worker, its rank, its output."""
+
+    worker: Any
+    outputs: list[Any]
+    rank: int = 0
+
+    def handle_output(self, output: Any) -> None:
+        self.outputs.append(output)
+
+
+def _worker_proc_execute() -> Any:
+    try:
+        from vllm.v1.executor.multiproc_executor import WorkerProc
+    except ImportError:
+        return None
+    return getattr(WorkerProc, "_execute_worker_rpc", None)
+
+
+def allocated_views(worker: Any, kv_cache_config: Any, layer_names: Sequence[str]
+                    ) -> dict[str, Any]:
+    """Run in the worker (a callable RPC): production's ``allocate_kv_cache`` at the layout
+    the worker resolved; each layer view as plain data (bytes: shape, strides, offset)."""
+    import torch
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    member = worker.vllm_config.cache_config.get_resolved_kv_cache_layout()
+    views = allocate_kv_cache(kv_cache_config, torch.device("cpu"), member)
+    out = []
+    for name in layer_names:
+        view = views[name]
+        size = view.element_size()
+        base = view.untyped_storage().data_ptr()
+        out.append({"shape": list(view.shape), "stride": [s * size for s in view.stride()],
+                    "offset": view.data_ptr() - base, "itemsize": size})
+    return {"adopted": member.name, "views": out}

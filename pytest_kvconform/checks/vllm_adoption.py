@@ -3,12 +3,15 @@ allocates the backend's (customised) KV cache at the oracle's addresses.
 
 The engine core's side runs here: the layout the oracle resolves for the backend alone
 (KV-V3 checks production agrees), production's ``Executor.set_kv_cache_layout`` serialising
-its RPC with the executor's own broadcast queue, and production's planner on the customised
-spec.  The worker's side runs in a process of its own (forked for the check, as every call
-that touches a backend's class is: ``workers/isolated.py``): production's ``WorkerBase``
-starts unpinned, receives the frames and runs the RPC as ``WorkerProc`` does, then
-``vllm.v1.worker.utils.allocate_kv_cache`` allocates at the layout the worker resolved.
-Every layer view's byte address must equal the oracle's.  What ran is the result's ``via``.
+its RPC as vLLM's multiproc executor does (vLLM's ``MessageQueue``), and production's
+planner on the customised spec, whose config carries no layout name (so the RPC is the only
+way the layout reaches the worker).  The worker's side is a pooled worker process (the KV-A
+pool: forked from the fork server, never from this process, so it shares no state with the
+engine side): production's ``WorkerWrapperBase`` around ``WorkerBase`` on its own fresh,
+unpinned config receives the frames through ``WorkerProc._execute_worker_rpc``, then a
+callable RPC runs ``vllm.v1.worker.utils.allocate_kv_cache`` at the layout the worker
+resolved.  Every layer view's byte address must equal the oracle's.  The model runner's
+``initialize_kv_cache`` does not run (no model on this host); the result's ``via`` says so.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pytest_kvconform.adapters import kv_allocation, kv_planner, vllm_layout
+from pytest_kvconform.adapters import kv_planner, vllm_layout
 from pytest_kvconform.checks import vllm_spec
 from pytest_kvconform.checks.common import (
     Where,
@@ -29,20 +32,27 @@ from pytest_kvconform.checks.common import (
     production_with_class,
     unsupported_as_skip,
 )
-from pytest_kvconform.checks.errors import SkipKind
+from pytest_kvconform.checks.errors import HarnessError, SkipKind
 from pytest_kvconform.contract import oracle, vllm_oracle
 from pytest_kvconform.contract.records import BackendUnderTest
-from pytest_kvconform.workers import isolated
+from pytest_kvconform.workers.devices import Unplaceable
+from pytest_kvconform.workers.protocol import WorkerCommandError
 
 CLAUSE = "KV-V4"
 VIA = ("vllm.v1.executor.abstract.Executor.set_kv_cache_layout (frames from vLLM's "
-       "MessageQueue) -> worker process: vllm.v1.worker.worker_base.WorkerBase."
-       "set_kv_cache_layout via run_method, then vllm.v1.worker.utils.allocate_kv_cache "
-       "at the worker's resolved layout (no model runner: no model on this host)")
+       "MessageQueue) -> pooled worker process: vllm.v1.executor.multiproc_executor."
+       "WorkerProc._execute_worker_rpc -> WorkerWrapperBase -> WorkerBase.set_kv_cache_layout;"
+       " then vllm.v1.worker.utils.allocate_kv_cache there at the worker's resolved layout "
+       "(no model runner: no model on this host)")
 
 
-def check_kv_v4(backend: BackendUnderTest) -> None:
-    """The worker adopts the engine core's layout and allocates at the oracle's bytes."""
+def check_kv_v4(backend: BackendUnderTest, worker: Any, *,
+                control: str | None = None) -> None:
+    """The worker adopts the engine core's layout and allocates at the oracle's bytes.
+
+    ``worker``: one pooled worker (``kv_workers.for_world_size(1)``: a list of one handle, or
+    why there is none).  ``control``: a ``module:NAME`` regression applied in the worker
+    process (a negative control, or a seeded fault, as KV-A's controls are)."""
     where = Where(CLAUSE, backend=backend.name)
     cls = backend_class(CLAUSE, backend)
     with unsupported_as_skip(CLAUSE):
@@ -50,6 +60,8 @@ def check_kv_v4(backend: BackendUnderTest) -> None:
     if not vllm_layout.declares_layouts(cls):
         raise where.skip(f"{backend.name} has no supported_kv_cache_layouts (not a vLLM "
                          "attention backend); see KV-V2", SkipKind.NOT_APPLICABLE)
+    if isinstance(worker, Unplaceable):
+        raise where.skip(worker.reason, SkipKind.HARDWARE)
     declared = call_declaration(CLAUSE, backend.name, partial(vllm_layout.declaration, cls))
     ranks = vllm_oracle.worker_layouts([declared])
     expected = vllm_oracle.resolve([ranks.value] if isinstance(ranks.value, tuple) else [])
@@ -57,6 +69,7 @@ def check_kv_v4(backend: BackendUnderTest) -> None:
         raise where.fail(f"the backend's declaration {declared} resolves to no layout: "
                          f"{expected} (see KV-V3)")
     layout = expected.value
+    where = where.at(layout=layout)
     spec = _customised(backend, cls)
     geom = oracle.Geometry(num_layers=vllm_spec.NUM_LAYERS, num_blocks=vllm_spec.NUM_PAGES,
                            num_heads=spec.num_heads, block_size=spec.block_size,
@@ -65,18 +78,44 @@ def check_kv_v4(backend: BackendUnderTest) -> None:
     config = where.call("get_kv_cache_configs", _planned, layout, spec, geom)
     frames, how = where.call("Executor.set_kv_cache_layout", vllm_layout.executor_frames,
                              layout)
+    if len(worker) != 1:
+        raise ValueError(f"{len(worker)} workers for one rank")
+    result = _in_worker(where, worker[0], layout, frames, config, control)
     note_via(VIA if how == "vllm MessageQueue.enqueue" else f"{VIA}; frames: {how}")
-    result = isolated.call(partial(_worker_side, frames, config),
-                           f"production's worker receiving set_kv_cache_layout({layout})",
-                           where=f"{CLAUSE} [backend={backend.name}]", backend_code=False)
-    if result["error"] is not None:
-        raise where.fail(f"production's worker (another process) got set_kv_cache_layout"
-                         f"({layout}) from the executor, then {result['error']}",
-                         layout=layout, expected=layout, actual=result["adopted"])
     if result["adopted"] != layout:
         raise where.fail("production's worker adopted another layout than the engine "
-                         "core sent", layout=layout, expected=layout, actual=result["adopted"])
-    _compare(where.at(layout=layout), layout, geom, result["views"])
+                         "core sent", expected=layout, actual=result["adopted"])
+    _compare(where, layout, geom, result["views"])
+
+
+def _in_worker(where: Where, handle: Any, layout: str, frames: list[bytes], config: Any,
+               control: str | None) -> dict[str, Any]:
+    """The worker process's side: start, receive the RPC, allocate; released afterwards."""
+    step = "starting production's vLLM worker"
+    try:
+        handle.request("vllm_worker_start", control=control)
+        step = f"set_kv_cache_layout({layout}) sent by the executor"
+        handle.request("vllm_rpc", frames=frames)
+        step = "allocate_kv_cache after the RPC"
+        allocate = vllm_layout.rpc_frames(vllm_layout.allocated_views, config,
+                                          vllm_spec.layer_names())
+        return dict(handle.request("vllm_rpc", frames=allocate))
+    except WorkerCommandError as exc:
+        remote = exc.remote or {}
+        what = (f"{remote.get('type')}: {remote.get('message')}" if remote.get("type")
+                else str(exc).splitlines()[0])
+        raise where.fail(f"production's worker (another process) raised during {step}: "
+                         f"{what}", expected=f"allocated at {layout}", actual=what) from exc
+    except HarnessError as exc:
+        raise where.harness(exc, step) from exc
+    finally:
+        try:
+            if handle.defers_release:
+                handle.release_later()
+            else:
+                handle.release()
+        except HarnessError:
+            pass  # a dead worker holds nothing; the check's own outcome stands
 
 
 def _customised(backend: BackendUnderTest, cls: Any) -> Any:
@@ -102,26 +141,6 @@ def _planned(layout: str, spec: Any, geom: oracle.Geometry) -> Any:
     if hasattr(config, "kv_cache_layout"):
         config.kv_cache_layout = None
     return config
-
-
-def _worker_side(frames: list[bytes], config: Any) -> dict[str, Any]:
-    """In the worker process: receive the RPC, allocate; plain data back (views' bytes)."""
-    worker = vllm_layout.production_worker()
-    try:
-        vllm_layout.worker_receives(worker, frames)
-        member = worker.vllm_config.cache_config.get_resolved_kv_cache_layout()
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}", "adopted":
-                worker.vllm_config.cache_config.kv_cache_layout, "views": None}
-    views = kv_allocation.allocate_kv_cache(config, "cpu", member, None)
-    out = []
-    for name in vllm_spec.layer_names():
-        view = views[name]
-        size = view.element_size()
-        base = view.untyped_storage().data_ptr()
-        out.append({"shape": list(view.shape), "stride": [s * size for s in view.stride()],
-                    "offset": view.data_ptr() - base, "itemsize": size})
-    return {"error": None, "adopted": member.name, "views": out}
 
 
 def _compare(where: Where, layout: str, geom: oracle.Geometry, views: list[dict[str, Any]]

@@ -108,7 +108,7 @@ def mix_partners(name: str) -> dict[str, Any]:
             continue
         try:
             found[other] = member.get_class()
-        except Exception:  # noqa: S112 - a partner that does not import here is left out
+        except Exception:  # a partner that does not import here is left out
             continue
     return found
 

@@ -1,7 +1,8 @@
 """Faults planted in vLLM's own layout path for the V clauses (KV-V3..KV-V5).
 
-Patterns of ``faults/plants.py`` (a :class:`~pytest_kvconform.faults.plants.Patch`: an
-installed function replaced by ``make(original)``, mostly delegating to it).  Kept apart
+KV-V3 and KV-V5: patterns of ``faults/plants.py`` (a
+:class:`~pytest_kvconform.faults.plants.Patch`: an installed function replaced by
+``make(original)``, mostly delegating to it).  KV-V4: a worker-side regression (below).  Kept apart
 from :data:`plants.PLANTED` until the V clauses are in the clause table: the merge declares
 each of :data:`V_FAULTS` with ``plants.declare`` (``family="vllm backends"``), so
 ``kvconform selftest`` seeds them too.
@@ -10,9 +11,11 @@ each of :data:`V_FAULTS` with ``plants.declare`` (``family="vllm backends"``), s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from pytest_kvconform.adapters import run_env
+from pytest_kvconform.adapters.source_rewrite import DropStatements, Regression, is_call_to
 from pytest_kvconform.faults.plants import Patch, Planted
 
 _UTILS = "vllm.v1.attention.backends.utils"
@@ -33,13 +36,6 @@ def _ignores_env(original: Any) -> Any:
     return resolve_kv_cache_layout
 
 
-def _ignores_rpc(original: Any) -> Any:
-    """A worker that acknowledges the engine core's layout and records nothing."""
-    def set_kv_cache_layout(self: Any, kv_cache_layout: str) -> None:
-        return None
-    return set_kv_cache_layout
-
-
 def _missized(original: Any) -> Any:
     """``customize_spec`` whose packed content is one byte per head short of the data."""
     def customize_spec(cls: Any, spec: Any) -> Any:
@@ -58,9 +54,6 @@ def _planted(name: str, clause: str, what: str, patch: Patch, backend: str) -> P
 RESOLUTION_IGNORES_ENV = _planted(
     "resolution_ignores_env_layout", "KV-V3", "the engine core resolves as if "
     "VLLM_KV_CACHE_LAYOUT were unset", Patch(RESOLVE, _ignores_env), BACKEND)
-WORKER_IGNORES_RPC = _planted(
-    "worker_ignores_layout_rpc", "KV-V4", "a worker acknowledges the set_kv_cache_layout "
-    "RPC and records nothing", Patch(WORKER_RPC, _ignores_rpc), BACKEND)
 CUSTOMIZE_MISSIZES_PAGE = _planted(
     "customize_spec_missizes_page", "KV-V5", "ROCM_ATTN's customize_spec packs each head "
     "group one byte short of its K or V data",
@@ -69,4 +62,16 @@ CUSTOMIZE_MISSIZES_PAGE = _planted(
 
 V_FAULTS: dict[str, Planted] = {
     plant.name: plant
-    for plant in (RESOLUTION_IGNORES_ENV, WORKER_IGNORES_RPC, CUSTOMIZE_MISSIZES_PAGE)}
+    for plant in (RESOLUTION_IGNORES_ENV, CUSTOMIZE_MISSIZES_PAGE)}
+
+# --- KV-V4: production's worker, rewritten in the worker process ------------------------
+# A worker process never sees this process's patches: the fault is a source rewrite applied
+# there (``adapters/source_rewrite.py``), named by reference as KV-A's controls are
+# (``check_kv_v4(..., control=WORKER_IGNORES_RPC_REF)``).  At merge it joins
+# ``worker_faults.REGRESSIONS`` (and the registry) so ``$KVCONFORM_WORKER_FAULT`` seeds it.
+WORKER_IGNORES_RPC = Regression(
+    WORKER_RPC, "acknowledges the set_kv_cache_layout RPC and records nothing",
+    rewrite=functools.partial(
+        DropStatements, lambda node: is_call_to(node, "record_kv_cache_layout")))
+WORKER_IGNORES_RPC_NAME = "worker_ignores_layout_rpc"
+WORKER_IGNORES_RPC_REF = f"{__name__}:WORKER_IGNORES_RPC"

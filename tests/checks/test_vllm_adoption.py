@@ -1,6 +1,9 @@
-"""KV-V4: the layout crosses to production's worker in another process, clean and faulted."""
+"""KV-V4: the layout crosses to production's worker in a pooled worker process, clean and
+with the worker-side fault (a regression applied in that process)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 
@@ -9,32 +12,43 @@ from pytest_kvconform.checks import vllm_adoption
 from pytest_kvconform.checks.common import via_recorded
 from pytest_kvconform.checks.errors import ClauseFailure
 from pytest_kvconform.faults import vllm_plants
+from pytest_kvconform.workers import pool
+from pytest_kvconform.workers.kv_workers import KvWorkers
 from tests.checks.vllm_backends import vllm_backend
-from tests.seeding import Seeder
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[KvWorkers]:
+    """The shared pool, held for this module and closed after it (no orphan workers)."""
+    pool.hold()
+    try:
+        yield KvWorkers("cpu", [])
+    finally:
+        pool.release()
 
 
 @pytest.mark.parametrize("name", ["CPU_ATTN", "ROCM_ATTN", "FLEX_ATTENTION"])
-def test_the_worker_allocates_at_the_oracles_bytes(name: str) -> None:
+def test_the_worker_allocates_at_the_oracles_bytes(name: str, workers: KvWorkers) -> None:
     """One layout each (LBHNC, LHBNC with a repacked page, LBNHC); the result says what ran."""
     with via_recorded() as via:
-        vllm_adoption.check_kv_v4(vllm_backend(name))
+        vllm_adoption.check_kv_v4(vllm_backend(name), workers.for_world_size(1))
     assert via == [vllm_adoption.VIA]
 
 
 def test_the_rpc_is_the_executors_own_frames() -> None:
+    """In this process: the frames decode and run on production's worker wrapper."""
     frames, how = vllm_layout.executor_frames("LBHNC")
     assert how == "vllm MessageQueue.enqueue" and frames
-    worker = vllm_layout.production_worker()
-    vllm_layout.worker_receives(worker, frames)
-    assert worker.vllm_config.cache_config.kv_cache_layout == "LBHNC"
+    wrapper = vllm_layout.production_worker_proc()
+    vllm_layout.worker_proc_receives(wrapper, frames)
+    assert wrapper.worker.vllm_config.cache_config.kv_cache_layout == "LBHNC"
 
 
-def test_a_worker_ignoring_the_rpc_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    backend = vllm_backend(vllm_plants.BACKEND)
-    Seeder(monkeypatch).plant(vllm_plants.WORKER_IGNORES_RPC.patches)
+def test_a_worker_ignoring_the_rpc_fails(workers: KvWorkers) -> None:
     with pytest.raises(ClauseFailure) as caught:
-        vllm_adoption.check_kv_v4(backend)
+        vllm_adoption.check_kv_v4(vllm_backend(vllm_plants.BACKEND), workers.for_world_size(1),
+                                  control=vllm_plants.WORKER_IGNORES_RPC_REF)
     assert str(caught.value).startswith(
         "KV-V4 violated [backend=CPU_ATTN, layout=LBHNC]: production's worker (another "
-        "process) got set_kv_cache_layout(LBHNC) from the executor, then ValueError: KV cache "
-        "layout has not been resolved yet"), str(caught.value)
+        "process) raised during allocate_kv_cache after the RPC: ValueError: KV cache layout "
+        "has not been resolved yet"), str(caught.value)
