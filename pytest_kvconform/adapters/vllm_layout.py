@@ -219,21 +219,22 @@ def rpc_frames(method: Any, *args: Any) -> list[bytes]:
     return wire.frames
 
 
-def production_worker() -> Any:
-    """Production's ``WorkerBase`` on a fresh CPU config whose layout is unpinned."""
+def production_worker(pinned: str | None = None) -> Any:
+    """Production's ``WorkerBase`` on a fresh CPU config whose layout is unpinned (or
+    already ``pinned``)."""
     from vllm.v1.worker.worker_base import WorkerBase
 
-    return WorkerBase(vllm_config(), local_rank=0, rank=0,
+    return WorkerBase(vllm_config(pinned=pinned), local_rank=0, rank=0,
                       distributed_init_method="tcp://127.0.0.1:0", is_driver_worker=True)
 
 
-def production_worker_proc() -> Any:
+def production_worker_proc(pinned: str | None = None) -> Any:
     """What a vLLM worker process holds: production's ``WorkerWrapperBase`` (its RPC target)
     around :func:`production_worker` (``init_worker`` needs a model config, none here)."""
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     wrapper = WorkerWrapperBase(rpc_rank=0)
-    wrapper.worker = production_worker()
+    wrapper.worker = production_worker(pinned)
     wrapper.vllm_config = wrapper.worker.vllm_config
     return wrapper
 

@@ -89,11 +89,11 @@ def check_kv_v4(backend: BackendUnderTest, worker: Any, *,
 
 
 def _in_worker(where: Where, handle: Any, layout: str, frames: list[bytes], config: Any,
-               control: str | None) -> dict[str, Any]:
+               control: str | None, prepin: str | None = None) -> dict[str, Any]:
     """The worker process's side: start, receive the RPC, allocate; released afterwards."""
     step = "starting production's vLLM worker"
     try:
-        handle.request("vllm_worker_start", control=control)
+        handle.request("vllm_worker_start", control=control, prepin=prepin)
         step = f"set_kv_cache_layout({layout}) sent by the executor"
         handle.request("vllm_rpc", frames=frames)
         step = "allocate_kv_cache after the RPC"
@@ -116,6 +116,62 @@ def _in_worker(where: Where, handle: Any, layout: str, frames: list[bytes], conf
                 handle.release()
         except HarnessError:
             pass  # a dead worker holds nothing; the check's own outcome stands
+
+
+def check_kv_v4_disagreement(backend: BackendUnderTest, worker: Any, *,
+                             control: str | None = None) -> None:
+    """Negative control (its own result): a worker already pinned to another layout refuses
+    the engine core's with a ValueError naming both (``control``: as for
+    :func:`check_kv_v4`)."""
+    where = Where(CLAUSE, backend=backend.name)
+    cls = backend_class(CLAUSE, backend)
+    with unsupported_as_skip(CLAUSE):
+        vllm_layout.production()
+    if not vllm_layout.declares_layouts(cls):
+        raise where.skip(f"{backend.name} has no supported_kv_cache_layouts (not a vLLM "
+                         "attention backend); see KV-V2", SkipKind.NOT_APPLICABLE)
+    if isinstance(worker, Unplaceable):
+        raise where.skip(worker.reason, SkipKind.HARDWARE)
+    declared = call_declaration(CLAUSE, backend.name, partial(vllm_layout.declaration, cls))
+    ranks = vllm_oracle.worker_layouts([declared])
+    expected = vllm_oracle.resolve([ranks.value] if isinstance(ranks.value, tuple) else [])
+    if not isinstance(expected.value, str):
+        raise where.fail(f"the backend's declaration {declared} resolves to no layout: "
+                         f"{expected} (see KV-V3)")
+    layout = expected.value
+    other = next(n for n in oracle.PHYSICAL_LAYOUTS if n != layout)
+    where = where.at(layout=layout)
+    frames, _how = where.call("Executor.set_kv_cache_layout", vllm_layout.executor_frames,
+                              layout)
+    handle = worker[0]
+    try:
+        handle.request("vllm_worker_start", control=control, prepin=other)
+        handle.request("vllm_rpc", frames=frames)
+    except WorkerCommandError as exc:
+        remote = exc.remote or {}
+        message = str(remote.get("message") or exc)
+        if remote.get("type", "ValueError") == "ValueError" and other in message and \
+                layout in message:
+            note_via(VIA)
+            return
+        raise where.fail(f"a worker pinned to {other} refused set_kv_cache_layout({layout}) "
+                         "without a ValueError naming both", expected="ValueError naming "
+                         f"{other} and {layout}", actual=f"{remote.get('type')}: {message}"
+                         ) from exc
+    except HarnessError as exc:
+        raise where.harness(exc, f"set_kv_cache_layout({layout}) to a worker pinned to "
+                            f"{other}") from exc
+    finally:
+        try:
+            if handle.defers_release:
+                handle.release_later()
+            else:
+                handle.release()
+        except HarnessError:
+            pass
+    raise where.fail(f"a worker already pinned to {other} accepted set_kv_cache_layout"
+                     f"({layout}) silently", expected=f"ValueError naming {other} and {layout}",
+                     actual="accepted")
 
 
 def _customised(backend: BackendUnderTest, cls: Any) -> Any:

@@ -52,3 +52,21 @@ def test_a_worker_ignoring_the_rpc_fails(workers: KvWorkers) -> None:
         "KV-V4 violated [backend=CPU_ATTN, layout=LBHNC]: production's worker (another "
         "process) raised during allocate_kv_cache after the RPC: ValueError: KV cache layout "
         "has not been resolved yet"), str(caught.value)
+
+
+def test_a_worker_pinned_elsewhere_refuses_the_rpc(workers: KvWorkers) -> None:
+    """The negative control passes on production: record_kv_cache_layout refuses a change."""
+    with via_recorded() as via:
+        vllm_adoption.check_kv_v4_disagreement(vllm_backend("CPU_ATTN"),
+                                               workers.for_world_size(1))
+    assert via == [vllm_adoption.VIA]
+
+
+def test_a_worker_accepting_any_rpc_fails_the_control(workers: KvWorkers) -> None:
+    """The worker-side fault (nothing recorded) makes the control fail: no refusal."""
+    backend = vllm_backend("CPU_ATTN")
+    with pytest.raises(ClauseFailure, match=r"KV-V4 violated \[backend=CPU_ATTN, "
+                       r"layout=LBHNC\]: a worker already pinned to LBNHC accepted "
+                       r"set_kv_cache_layout\(LBHNC\) silently"):
+        vllm_adoption.check_kv_v4_disagreement(backend, workers.for_world_size(1),
+                                               control=vllm_plants.WORKER_IGNORES_RPC_REF)

@@ -73,3 +73,28 @@ def test_resolution_ignoring_the_env_var_fails(monkeypatch: pytest.MonkeyPatch) 
                               "VLLM_KV_CACHE_LAYOUT=LBNHC: expected refused"), message
     assert "production's resolve_kv_cache_layout gave LBHNC" in message
     assert "more differences" in message
+
+
+def _declaring(*names: str) -> type:
+    """A class declaring ``names`` (as production reads a backend's declaration)."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layouts = tuple(KVCacheLayout[n] for n in names)
+
+    class Declares:
+        @classmethod
+        def supported_kv_cache_layouts(cls) -> tuple[object, ...]:
+            return layouts
+
+    return Declares
+
+
+def test_production_breaks_ties_as_the_oracle_does() -> None:
+    """Both prefer BLHNC to LBHNC, yet only first places count: the enum's order decides
+    the rest (vLLM's documented rule; the oracle follows it)."""
+    from pytest_kvconform.adapters import vllm_layout
+
+    pytest.importorskip("vllm.v1.kv_cache_layout")
+    first, second = ("LHBNC", "BLHNC", "LBHNC"), ("BHLNC", "BLHNC", "LBHNC")
+    got = vllm_layout.worker_layouts([_declaring(*first), _declaring(*second)])
+    assert got.value == vllm_oracle.worker_layouts([first, second]).value == ("LBHNC", "BLHNC")
