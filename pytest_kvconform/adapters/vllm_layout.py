@@ -183,9 +183,10 @@ class WireExecutor:
     executor's own broadcast queue, ``executor_wire.encode``) instead of sending it; the
     frames are what a worker process receives."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: Any = None) -> None:
         self.frames: list[bytes] = []
         self.how = ""
+        self.transport = transport  # frames -> the worker's output; None: keep the frames
 
     def collective_rpc(self, method: Any, timeout: float | None = None,
                        args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
@@ -200,7 +201,7 @@ class WireExecutor:
         # vLLM's MultiprocExecutor.collective_rpc enqueues (method, args, kwargs, output_rank).
         self.frames, self.how = executor_wire.encode((method, tuple(args), dict(kwargs or {}),
                                                       None))
-        return [None]
+        return [None if self.transport is None else self.transport(self.frames)]
 
 
 def executor_frames(layout_name: str) -> tuple[list[bytes], str]:
@@ -210,6 +211,28 @@ def executor_frames(layout_name: str) -> tuple[list[bytes], str]:
     wire = WireExecutor()
     Executor.set_kv_cache_layout(wire, layout_name)
     return wire.frames, wire.how
+
+
+def executor_supported(wire: WireExecutor) -> list[list[str]]:
+    """Production's ``Executor.get_supported_kv_cache_layouts`` over ``wire``: each rank's."""
+    from vllm.v1.executor.abstract import Executor
+
+    return [list(names) for names in Executor.get_supported_kv_cache_layouts(wire)]
+
+
+def executor_set_layout(wire: WireExecutor, layout_name: str) -> None:
+    """Production's ``Executor.set_kv_cache_layout`` over ``wire``."""
+    from vllm.v1.executor.abstract import Executor
+
+    Executor.set_kv_cache_layout(wire, layout_name)
+
+
+def engine_resolve(ranks: Sequence[Sequence[str]], spec: Any) -> str:
+    """The engine core's step: production's ``resolve_kv_cache_layout`` on a fresh config,
+    over the ranks' reports and the model's specs (every layer's)."""
+    layout = production().resolve_kv_cache_layout(vllm_config(), [list(r) for r in ranks],
+                                                  [spec, spec])
+    return _name(layout)
 
 
 def rpc_frames(method: Any, *args: Any) -> list[bytes]:
@@ -228,15 +251,45 @@ def production_worker(pinned: str | None = None) -> Any:
                       distributed_init_method="tcp://127.0.0.1:0", is_driver_worker=True)
 
 
-def production_worker_proc(pinned: str | None = None) -> Any:
+def production_worker_proc(pinned: str | None = None, backend: str | None = None,
+                           layers: Sequence[str] = ()) -> Any:
     """What a vLLM worker process holds: production's ``WorkerWrapperBase`` (its RPC target)
-    around :func:`production_worker` (``init_worker`` needs a model config, none here)."""
+    around :func:`production_worker` (``init_worker`` needs a model config, none here);
+    with ``backend`` (``module:Class``), a model whose attention ``layers`` use it,
+    registered where production finds a model's layers (the static forward context)."""
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     wrapper = WorkerWrapperBase(rpc_rank=0)
     wrapper.worker = production_worker(pinned)
     wrapper.vllm_config = wrapper.worker.vllm_config
+    if backend is not None:
+        cls = _load(backend)
+        context = wrapper.vllm_config.compilation_config.static_forward_context
+        for name in layers:
+            context[name] = _attention_layer(cls)
     return wrapper
+
+
+def _load(path: str) -> Any:
+    module, _, qualname = path.partition(":")
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def _attention_layer(cls: Any) -> Any:
+    """A model's attention layer that uses ``cls`` (all production asks of it here)."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    class Layer(AttentionLayerBase):  # type: ignore[misc]
+        def get_attn_backend(self) -> Any:
+            return cls
+
+        def get_kv_cache_spec(self, vllm_config: Any) -> Any:
+            return None
+
+    return Layer()
 
 
 def worker_proc_receives(wrapper: Any, frames: Sequence[bytes]) -> Any:

@@ -1,16 +1,19 @@
 """KV-V4: the resolved layout crosses a process boundary to production's worker, which
 allocates the backend's (customised) KV cache at the oracle's addresses.
 
-The engine core's side runs here: the layout the oracle resolves for the backend alone
-(KV-V3 checks production agrees), production's ``Executor.set_kv_cache_layout`` serialising
-its RPC as vLLM's multiproc executor does (vLLM's ``MessageQueue``), and production's
-planner on the customised spec, whose config carries no layout name (so the RPC is the only
-way the layout reaches the worker).  The worker's side is a pooled worker process (the KV-A
-pool: forked from the fork server, never from this process, so it shares no state with the
-engine side): production's ``WorkerWrapperBase`` around ``WorkerBase`` on its own fresh,
-unpinned config receives the frames through ``WorkerProc._execute_worker_rpc``, then a
-callable RPC runs ``vllm.v1.worker.utils.allocate_kv_cache`` at the layout the worker
-resolved.  Every layer view's byte address must equal the oracle's.  The model runner's
+The engine core's side runs here, in production's order: the executor's
+``get_supported_kv_cache_layouts`` RPC, ``resolve_kv_cache_layout`` over what the worker
+reported, the executor's ``set_kv_cache_layout`` RPC (each serialised as vLLM's multiproc
+executor does, with vLLM's ``MessageQueue``), and production's planner on the customised
+spec, whose config carries no layout name (so the RPC is the only way the layout reaches the
+worker).  The worker's side is a pooled worker process (the KV-A pool: forked from the fork
+server, never from this process, so it shares no state with the engine side): production's
+``WorkerWrapperBase`` around ``WorkerBase`` on its own fresh, unpinned config, with a model
+whose attention layers use the backend, receives the frames through
+``WorkerProc._execute_worker_rpc``; then a callable RPC runs
+``vllm.v1.worker.utils.allocate_kv_cache`` at the layout the worker resolved.  What the
+worker reports and what the engine resolves must be the oracle's (``vllm_oracle``); every
+layer view's byte address must equal the oracle's.  The model runner's
 ``initialize_kv_cache`` does not run (no model on this host); the result's ``via`` says so.
 """
 
@@ -39,16 +42,19 @@ from pytest_kvconform.workers.devices import Unplaceable
 from pytest_kvconform.workers.protocol import WorkerCommandError
 
 CLAUSE = "KV-V4"
-VIA = ("vllm.v1.executor.abstract.Executor.set_kv_cache_layout (frames from vLLM's "
-       "MessageQueue) -> pooled worker process: vllm.v1.executor.multiproc_executor."
-       "WorkerProc._execute_worker_rpc -> WorkerWrapperBase -> WorkerBase.set_kv_cache_layout;"
-       " then vllm.v1.worker.utils.allocate_kv_cache there at the worker's resolved layout "
-       "(no model runner: no model on this host)")
+VIA = ("engine side: vllm.v1.executor.abstract.Executor.get_supported_kv_cache_layouts, "
+       "vllm.v1.attention.backends.utils.resolve_kv_cache_layout, Executor.set_kv_cache_layout"
+       " (frames from vLLM's MessageQueue) -> pooled worker process: vllm.v1.executor."
+       "multiproc_executor.WorkerProc._execute_worker_rpc -> WorkerWrapperBase -> WorkerBase."
+       "get_supported_kv_cache_layouts (the model's layers, get_current_attn_backends) and "
+       ".set_kv_cache_layout; then vllm.v1.worker.utils.allocate_kv_cache there at the "
+       "worker's resolved layout (no model runner: no model on this host)")
 
 
 def check_kv_v4(backend: BackendUnderTest, worker: Any, *,
                 control: str | None = None) -> None:
-    """The worker adopts the engine core's layout and allocates at the oracle's bytes.
+    """The engine core resolves from what the worker reports, the worker adopts it over the
+    RPC and allocates at the oracle's bytes.
 
     ``worker``: one pooled worker (``kv_workers.for_world_size(1)``: a list of one handle, or
     why there is none).  ``control``: a ``module:NAME`` regression applied in the worker
@@ -62,10 +68,13 @@ def check_kv_v4(backend: BackendUnderTest, worker: Any, *,
                          "attention backend); see KV-V2", SkipKind.NOT_APPLICABLE)
     if isinstance(worker, Unplaceable):
         raise where.skip(worker.reason, SkipKind.HARDWARE)
+    if len(worker) != 1:
+        raise ValueError(f"{len(worker)} workers for one rank")
     declared = call_declaration(CLAUSE, backend.name, partial(vllm_layout.declaration, cls))
-    ranks = vllm_oracle.worker_layouts([declared])
-    expected = vllm_oracle.resolve([ranks.value] if isinstance(ranks.value, tuple) else [])
-    if expected.refused is not None or not isinstance(expected.value, str):
+    reported = vllm_oracle.worker_layouts([declared])
+    expected = vllm_oracle.resolve([reported.value] if isinstance(reported.value, tuple)
+                                   else [])
+    if not isinstance(reported.value, tuple) or not isinstance(expected.value, str):
         raise where.fail(f"the backend's declaration {declared} resolves to no layout: "
                          f"{expected} (see KV-V3)")
     layout = expected.value
@@ -76,44 +85,70 @@ def check_kv_v4(backend: BackendUnderTest, worker: Any, *,
                            content_bytes=spec.state_content_size_bytes,
                            page_size_padded=spec.page_size_padded)
     config = where.call("get_kv_cache_configs", _planned, layout, spec, geom)
-    frames, how = where.call("Executor.set_kv_cache_layout", vllm_layout.executor_frames,
-                             layout)
-    if len(worker) != 1:
-        raise ValueError(f"{len(worker)} workers for one rank")
-    result = _in_worker(where, worker[0], layout, frames, config, control)
-    note_via(VIA if how == "vllm MessageQueue.enqueue" else f"{VIA}; frames: {how}")
-    if result["adopted"] != layout:
+    path = f"{cls.__module__}:{cls.__qualname__}"
+    run = _Run(where, worker[0], path, control, prepin=None)
+    with run:
+        ranks = run.step("the executor's get_supported_kv_cache_layouts RPC",
+                         vllm_layout.executor_supported, run.wire)
+        if [tuple(r) for r in ranks] != [reported.value]:
+            raise where.fail("production's worker (another process) reported other layouts "
+                             "for a model served with the backend than its declaration gives",
+                             expected=[list(reported.value)], actual=ranks)
+        resolved = run.step("the engine core's resolve_kv_cache_layout",
+                            vllm_layout.engine_resolve, ranks, spec)
+        if resolved != layout:
+            raise where.fail("the engine core resolved another layout from what the worker "
+                             "reported (see KV-V3)", expected=layout, actual=resolved)
+        run.step(f"the executor's set_kv_cache_layout({layout}) RPC",
+                 vllm_layout.executor_set_layout, run.wire, layout)
+        result = run.step("allocate_kv_cache after the RPC", run.wire.collective_rpc,
+                          vllm_layout.allocated_views, args=(config, vllm_spec.layer_names()))
+    note_via(VIA if run.wire.how == "vllm MessageQueue.enqueue" else
+             f"{VIA}; frames: {run.wire.how}")
+    if result[0]["adopted"] != layout:
         raise where.fail("production's worker adopted another layout than the engine "
-                         "core sent", expected=layout, actual=result["adopted"])
-    _compare(where, layout, geom, result["views"])
+                         "core sent", expected=layout, actual=result[0]["adopted"])
+    _compare(where, layout, geom, result[0]["views"])
 
 
-def _in_worker(where: Where, handle: Any, layout: str, frames: list[bytes], config: Any,
-               control: str | None, prepin: str | None = None) -> dict[str, Any]:
-    """The worker process's side: start, receive the RPC, allocate; released afterwards."""
-    step = "starting production's vLLM worker"
-    try:
-        handle.request("vllm_worker_start", control=control, prepin=prepin)
-        step = f"set_kv_cache_layout({layout}) sent by the executor"
-        handle.request("vllm_rpc", frames=frames)
-        step = "allocate_kv_cache after the RPC"
-        allocate = vllm_layout.rpc_frames(vllm_layout.allocated_views, config,
-                                          vllm_spec.layer_names())
-        return dict(handle.request("vllm_rpc", frames=allocate))
-    except WorkerCommandError as exc:
-        remote = exc.remote or {}
-        what = (f"{remote.get('type')}: {remote.get('message')}" if remote.get("type")
-                else str(exc).splitlines()[0])
-        raise where.fail(f"production's worker (another process) raised during {step}: "
-                         f"{what}", expected=f"allocated at {layout}", actual=what) from exc
-    except HarnessError as exc:
-        raise where.harness(exc, step) from exc
-    finally:
+class _Run:
+    """One worker process for the check: started with the backend's model, each step a
+    production call whose worker-side failure fails the clause naming the step; the worker
+    is released afterwards."""
+
+    def __init__(self, where: Where, handle: Any, backend: str, control: str | None,
+                 prepin: str | None) -> None:
+        self.where, self.handle = where, handle
+        self.start = {"control": control, "prepin": prepin, "backend": backend,
+                      "layers": vllm_spec.layer_names()}
+        self.wire = vllm_layout.WireExecutor(
+            lambda frames: handle.request("vllm_rpc", frames=frames))
+
+    def __enter__(self) -> _Run:
+        self.step("starting production's vLLM worker", self.handle.request,
+                  "vllm_worker_start", **self.start)
+        return self
+
+    def step(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            if handle.defers_release:
-                handle.release_later()
+            return fn(*args, **kwargs)
+        except WorkerCommandError as exc:
+            remote = exc.remote or {}
+            found = (f"{remote.get('type')}: {remote.get('message')}" if remote.get("type")
+                     else str(exc).splitlines()[0])
+            raise self.where.fail(f"production's worker (another process) raised during "
+                                  f"{what}: {found}", actual=found) from exc
+        except HarnessError as exc:
+            raise self.where.harness(exc, what) from exc
+        except Exception as exc:  # production's engine side, here
+            raise self.where.fail(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.handle.defers_release:
+                self.handle.release_later()
             else:
-                handle.release()
+                self.handle.release()
         except HarnessError:
             pass  # a dead worker holds nothing; the check's own outcome stands
 

@@ -297,14 +297,17 @@ class _WorkerState:
     def cmd_vllm_worker_start(self, message: dict[str, Any]) -> dict[str, Any]:
         """Be one of vLLM's multiproc worker processes (KV-V4): production's
         ``WorkerWrapperBase`` around its ``WorkerBase`` on a fresh, unpinned config (or one
-        pinned to ``prepin``: a negative control), with the run's seeded fault and the
-        check's control applied here."""
+        pinned to ``prepin``: a negative control) and a model whose attention ``layers`` use
+        ``backend`` (``module:Class``), with the run's seeded fault and the check's control
+        applied here."""
         from pytest_kvconform.adapters import vllm_layout
 
         self.release()
         self._seeded.enter_context(fault_hook.seeded(message.get("fault"),
                                                      message.get("control")))
-        self.host = vllm_layout.production_worker_proc(pinned=message.get("prepin"))
+        self.host = vllm_layout.production_worker_proc(
+            pinned=message.get("prepin"), backend=message.get("backend"),
+            layers=message.get("layers", ()))
         return process_identity()
 
     def cmd_vllm_rpc(self, message: dict[str, Any]) -> Any:
