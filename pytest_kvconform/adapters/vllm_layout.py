@@ -50,6 +50,9 @@ def declares_layouts(cls: Any) -> bool:
     return inspect.getattr_static(cls, "supported_kv_cache_layouts", None) is not None
 
 
+DECLARATION = "supported_kv_cache_layouts"
+
+
 def declaration(cls: Any) -> tuple[str, ...] | None:
     """``cls.supported_kv_cache_layouts()`` as names (runs the backend's code: bound it)."""
     found = cls.supported_kv_cache_layouts()

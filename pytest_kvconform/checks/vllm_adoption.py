@@ -30,12 +30,12 @@ from pytest_kvconform.checks import vllm_spec
 from pytest_kvconform.checks.common import (
     Where,
     backend_class,
-    call_declaration,
     note_via,
     production_with_class,
     unsupported_as_skip,
 )
 from pytest_kvconform.checks.errors import HarnessError, SkipKind
+from pytest_kvconform.checks.vllm_resolution import read_declaration
 from pytest_kvconform.contract import oracle, vllm_oracle
 from pytest_kvconform.contract.records import BackendUnderTest
 from pytest_kvconform.workers.devices import Unplaceable
@@ -70,7 +70,7 @@ def check_kv_v4(backend: BackendUnderTest, worker: Any, *,
         raise where.skip(worker.reason, SkipKind.HARDWARE)
     if len(worker) != 1:
         raise ValueError(f"{len(worker)} workers for one rank")
-    declared = call_declaration(CLAUSE, backend.name, partial(vllm_layout.declaration, cls))
+    declared = read_declaration(CLAUSE, backend.name, cls)
     reported = vllm_oracle.worker_layouts([declared])
     expected = vllm_oracle.resolve([reported.value] if isinstance(reported.value, tuple)
                                    else [])
@@ -167,7 +167,7 @@ def check_kv_v4_disagreement(backend: BackendUnderTest, worker: Any, *,
                          "attention backend); see KV-V2", SkipKind.NOT_APPLICABLE)
     if isinstance(worker, Unplaceable):
         raise where.skip(worker.reason, SkipKind.HARDWARE)
-    declared = call_declaration(CLAUSE, backend.name, partial(vllm_layout.declaration, cls))
+    declared = read_declaration(CLAUSE, backend.name, cls)
     ranks = vllm_oracle.worker_layouts([declared])
     expected = vllm_oracle.resolve([ranks.value] if isinstance(ranks.value, tuple) else [])
     if not isinstance(expected.value, str):

@@ -13,6 +13,7 @@ intersection, which calls it); the engine core's resolution reads names only, he
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +23,7 @@ from pytest_kvconform.adapters import vllm_layout
 from pytest_kvconform.adapters.vllm_layout import Got
 from pytest_kvconform.checks.common import (
     Where,
+    backend_call_key,
     backend_class,
     call_declaration,
     note_via,
@@ -117,8 +119,7 @@ def _declarations(backend: BackendUnderTest, cls: Any, others: dict[str, Any]
                   ) -> dict[str, tuple[str, ...] | None]:
     """Each backend's declaration as names: the backend's own read in one bounded call."""
     try:
-        mine = call_declaration(CLAUSE, backend.name,
-                                partial(vllm_layout.declaration, cls))
+        mine = read_declaration(CLAUSE, backend.name, cls)
     except ClauseFailure:
         raise
     except Exception as exc:
@@ -134,6 +135,14 @@ def _declarations(backend: BackendUnderTest, cls: Any, others: dict[str, Any]
         raise ClauseFailure(CLAUSE, f"supported_kv_cache_layouts() names {stray}, no "
                             "KVCacheLayout member (see KV-V2)", backend=backend.name)
     return declared
+
+
+def read_declaration(clause: str, name: str, cls: Any) -> tuple[str, ...] | None:
+    """``cls.supported_kv_cache_layouts()`` as names, in one bounded call named after the
+    method (a call that hung is remembered under it), kept for the process."""
+    static = inspect.getattr_static(cls, vllm_layout.DECLARATION, None)
+    return call_declaration(clause, name, partial(vllm_layout.declaration, cls), cache=True,
+                            key=backend_call_key(name, static, vllm_layout.DECLARATION))
 
 
 def _run_workers(mixes: Sequence[Sequence[Any]]) -> list[tuple[Any, str | None]]:

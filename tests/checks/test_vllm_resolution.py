@@ -98,3 +98,31 @@ def test_production_breaks_ties_as_the_oracle_does() -> None:
     first, second = ("LHBNC", "BLHNC", "LBHNC"), ("BHLNC", "BLHNC", "LBHNC")
     got = vllm_layout.worker_layouts([_declaring(*first), _declaring(*second)])
     assert got.value == vllm_oracle.worker_layouts([first, second]).value == ("LBHNC", "BLHNC")
+
+
+class _Raises:
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[object, ...]:
+        raise RuntimeError("not ready")
+
+
+class _NamesNoLayout:
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[object, ...]:
+        return ("NHD",)
+
+
+@pytest.mark.parametrize(("cls", "says"), [
+    (_Raises, "supported_kv_cache_layouts() raised RuntimeError: not ready (see KV-V2)"),
+    (_NamesNoLayout, "supported_kv_cache_layouts() names ['NHD'], no KVCacheLayout member"),
+])
+def test_a_declaration_that_cannot_be_resolved_fails_naming_it(cls: type, says: str) -> None:
+    from pytest_kvconform.contract.records import BackendUnderTest
+
+    pytest.importorskip("vllm.v1.attention.backends.utils")
+    backend = BackendUnderTest(name="ODD", path=f"{__name__}:{cls.__qualname__}",
+                               source="registry", cls=cls)
+    with pytest.raises(ClauseFailure) as caught:
+        vllm_resolution.check_kv_v3(backend)
+    assert str(caught.value).startswith(f"KV-V3 violated [backend=ODD]: {says}"), \
+        str(caught.value)
