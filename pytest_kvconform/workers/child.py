@@ -294,6 +294,30 @@ class _WorkerState:
                                    backend_calls.raised_through(exc)) from exc
             raise
 
+    def cmd_vllm_worker_start(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Be one of vLLM's multiproc worker processes (KV-V4): production's
+        ``WorkerWrapperBase`` around its ``WorkerBase`` on a fresh, unpinned config (or one
+        pinned to ``prepin``: a negative control) and a model whose attention ``layers`` use
+        ``backend`` (``module:Class``), with the run's seeded fault and the check's control
+        applied here."""
+        from pytest_kvconform.adapters import vllm_layout
+
+        self.release()
+        self._seeded.enter_context(fault_hook.seeded(message.get("fault"),
+                                                     message.get("control")))
+        self.host = vllm_layout.production_worker_proc(
+            pinned=message.get("prepin"), backend=message.get("backend"),
+            layers=message.get("layers", ()))
+        return process_identity()
+
+    def cmd_vllm_rpc(self, message: dict[str, Any]) -> Any:
+        """One RPC of vLLM's executor, received as its frames, run as ``WorkerProc`` runs it."""
+        from pytest_kvconform.adapters import vllm_layout
+
+        if self.host is None:
+            raise RuntimeError("vllm_rpc before vllm_worker_start")
+        return vllm_layout.worker_proc_receives(self.host, message["frames"])
+
 
 def _may_have_children() -> None:
     """Let production's multiproc executor start its worker processes from this one.
