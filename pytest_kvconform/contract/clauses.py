@@ -373,13 +373,20 @@ CLAUSES: tuple[Clause, ...] = (
        module="adoption_bytes"),
     _a(6, "Real allocation at scale", adoption_single_rank, *_A6_ARGS, module="adoption_bytes"),
     # vLLM's own attention backends (AttentionBackendEnum, MambaAttentionBackendEnum and the
-    # repository's): two controls each.  KV-V3 (Resolution), KV-V4 (Adoption) and KV-V5
-    # (Strides and null block) are reserved for the clauses that follow.
+    # repository's).
     _v(1, "Registration", _c("vllm_backends", "check_kv_v1", "vllm_backend"),
        # The registry's own entry: a path to a module the installed vLLM has.
        _guard("vllm_backends", "check_kv_v1_module", "vllm_backend", variant="module")),
     _v(2, "Declaration", _c("vllm_backends", "check_kv_v2", "vllm_backend"),
        _c("vllm_backends", "check_kv_v2_page", "vllm_backend", variant="page")),
+    _v(3, "Resolution",
+       _c("vllm_resolution", "check_kv_v3", "vllm_backend", declaration_only=True)),
+    _v(4, "Adoption", _c("vllm_adoption", "check_kv_v4", "vllm_backend", "worker"),
+       # Negative control: production's worker refuses a layout other than its own pin.
+       _guard("vllm_adoption", "check_kv_v4_disagreement", "vllm_backend", "worker",
+              variant="disagreement")),
+    _v(5, "Customised page",
+       _c("vllm_spec", "check_kv_v5", "vllm_backend", declaration_only=True)),
 )
 BY_ID: Mapping[str, Clause] = {c.id: c for c in CLAUSES}
 # The skip kinds strict qualification forgives some clause (the report's global rule).

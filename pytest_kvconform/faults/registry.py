@@ -26,6 +26,7 @@ from pytest_kvconform.adapters import run_env
 from pytest_kvconform.adapters.fault_hook import FAULT_ENV
 from pytest_kvconform.contract.clauses import parse_clause
 from pytest_kvconform.faults import plants
+from pytest_kvconform.faults import vllm_plants  # declares the V faults (plants.PLANTED)
 from pytest_kvconform.faults import worker_faults as worker_side
 from pytest_kvconform.faults.plants import Patch
 
@@ -80,9 +81,10 @@ def worker_faults(names: tuple[str, ...]) -> contextlib.AbstractContextManager[N
 
 
 def _worker(name: str, clauses: tuple[str, ...], cases: tuple[str, ...] = ("bf16_h8",),
-            beside: tuple[str, ...] = ()) -> Fault:
+            beside: tuple[str, ...] = (), backend: str = PAGED, family: str = "adoption"
+            ) -> Fault:
     what = worker_side.describe(name).partition(": ")[2]
-    return Fault(name, "adoption", what, clauses, PAGED, cases, worker=name, beside=beside)
+    return Fault(name, family, what, clauses, backend, cases, worker=name, beside=beside)
 
 
 # The registry's family of a planted fault, by its first clause's family.
@@ -108,6 +110,9 @@ _FAULTS: tuple[Fault, ...] = (
     _worker("unstamped_configs", ("KV-A1", "KV-A3", "KV-A4")),
     _worker("misnamed_configs", ("KV-A1", "KV-A3")),
     _worker("shifted_offset", ("KV-A1", "KV-A3")),
+    # --- vLLM's own worker (KV-V4), on a vLLM backend ---
+    _worker(vllm_plants.WORKER_IGNORES_RPC_NAME, ("KV-V4",), backend=vllm_plants.BACKEND,
+            family=vllm_plants.FAMILY),
     # --- planted in the checks' process (layout resolution, strides, null-block sizing, the
     # paged stand-ins' reads): each declared once, in faults/plants.py ---
     *(_planted(plant) for plant in plants.PLANTED.values()),

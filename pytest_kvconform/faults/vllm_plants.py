@@ -2,10 +2,9 @@
 
 KV-V3 and KV-V5: patterns of ``faults/plants.py`` (a
 :class:`~pytest_kvconform.faults.plants.Patch`: an installed function replaced by
-``make(original)``, mostly delegating to it).  KV-V4: a worker-side regression (below).  Kept apart
-from :data:`plants.PLANTED` until the V clauses are in the clause table: the merge declares
-each of :data:`V_FAULTS` with ``plants.declare`` (``family="vllm backends"``), so
-``kvconform selftest`` seeds them too.
+``make(original)``, mostly delegating to it), declared with ``plants.declare`` so the
+registry and ``kvconform selftest`` have them.  KV-V4: a worker-side regression (below),
+one of ``worker_faults.REGRESSIONS``.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Any
 
 from pytest_kvconform.adapters import run_env
 from pytest_kvconform.adapters.source_rewrite import DropStatements, Regression, is_call_to
+from pytest_kvconform.faults import plants
 from pytest_kvconform.faults.plants import Patch, Planted
 
 _UTILS = "vllm.v1.attention.backends.utils"
@@ -63,11 +63,14 @@ CUSTOMIZE_MISSIZES_PAGE = _planted(
 V_FAULTS: dict[str, Planted] = {
     plant.name: plant
     for plant in (RESOLUTION_IGNORES_ENV, CUSTOMIZE_MISSIZES_PAGE)}
+for _plant in V_FAULTS.values():  # declared once, here: the registry reads plants.PLANTED
+    plants.declare(_plant.name, _plant.clauses, _plant.what, *_plant.patches,
+                   backend=_plant.backend, cases=_plant.cases, family=_plant.family)
 
 # --- KV-V4: production's worker, rewritten in the worker process ------------------------
 # A worker process never sees this process's patches: the fault is a source rewrite applied
 # there (``adapters/source_rewrite.py``), named by reference as KV-A's controls are
-# (``check_kv_v4(..., control=WORKER_IGNORES_RPC_REF)``).  At merge it joins
+# (``check_kv_v4(..., control=WORKER_IGNORES_RPC_REF)``), and one of
 # ``worker_faults.REGRESSIONS`` (and the registry) so ``$KVCONFORM_WORKER_FAULT`` seeds it.
 WORKER_IGNORES_RPC = Regression(
     WORKER_RPC, "acknowledges the set_kv_cache_layout RPC and records nothing",

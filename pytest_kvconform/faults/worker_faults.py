@@ -33,6 +33,7 @@ from pytest_kvconform.adapters.source_rewrite import (
     is_call_to,
 )
 from pytest_kvconform.checks.adoption_controls import RUNNER_BACKEND, SKIP_ADOPTION, is_adoption
+from pytest_kvconform.faults import vllm_plants
 from pytest_kvconform.faults.process_faults import PROCESS_FAULTS
 
 _BACKEND = RUNNER_BACKEND
@@ -129,6 +130,7 @@ def _shared_cache_config(original: Callable[..., Any]) -> Callable[..., Any]:
 
 REGRESSIONS: dict[str, Regression] = {
     "skip_adoption": SKIP_ADOPTION,
+    vllm_plants.WORKER_IGNORES_RPC_NAME: vllm_plants.WORKER_IGNORES_RPC,  # KV-V4
     "skip_layer_assertion": Regression(
         f"{_BACKEND}:DiffusionKVModelRunnerBackend.initialize_kv_cache",
         "no longer asserts each layer's backend against the layout",

@@ -21,7 +21,7 @@ from pytest_kvconform.api import CheckResult
 from pytest_kvconform.cli import build_parser, main
 from pytest_kvconform.contract import clauses
 from pytest_kvconform.contract.outcomes import ErrorKind
-from pytest_kvconform.faults import plants, worker_faults
+from pytest_kvconform.faults import plants, vllm_plants, worker_faults
 from pytest_kvconform.faults import registry as fault_registry
 from pytest_kvconform.faults.registry import REGISTRY, Fault
 from pytest_kvconform.selftest import catches, runner
@@ -106,7 +106,8 @@ def test_every_planted_fault_is_registered() -> None:
 
 
 def test_each_fault_has_one_seed_real_clauses_and_a_known_backend() -> None:
-    backends = {fault_registry.PAGED, fault_registry.PLAIN, *paged_standins.STANDINS, None}
+    backends = {fault_registry.PAGED, fault_registry.PLAIN, *paged_standins.STANDINS, None,
+                vllm_plants.BACKEND, vllm_plants.REPACKING}
     for fault in REGISTRY.values():
         assert (fault.worker is None) != (not fault.patches), fault.name
         assert [clauses.clause(c).id for c in fault.clauses] == list(fault.clauses)
