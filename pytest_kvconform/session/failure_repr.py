@@ -23,8 +23,11 @@ import pytest
 
 from pytest_kvconform.contract import inert
 from pytest_kvconform.contract.outcomes import ClauseFailure
-from pytest_kvconform.session.result_rows import FAILURE_PREFIX
 from pytest_kvconform.workers.isolated import RAISED_AT_ATTR
+
+# How pytest words a clause failure's crash line: the short summary and a result's reason
+# start with the clause instead.
+FAILURE_PREFIX = f"{ClauseFailure.__module__}.{ClauseFailure.__qualname__}: "
 
 
 def concise(item: pytest.Item) -> None:

@@ -17,7 +17,6 @@ import pytest
 
 from pytest_kvconform.contract.clauses import clause_from_test_name, subject_of
 from pytest_kvconform.contract.outcome_rule import ERROR_KIND_PROPERTY
-from pytest_kvconform.contract.outcomes import ClauseFailure
 from pytest_kvconform.contract.records import (
     CAUSED_BY_PROPERTY,
     SEEDED_FAULT_PROPERTY,
@@ -25,10 +24,9 @@ from pytest_kvconform.contract.records import (
     VIA_PROPERTY,
     ResultRow,
 )
+from pytest_kvconform.session.failure_repr import FAILURE_PREFIX
 from pytest_kvconform.session.selection import XFAIL_PROPERTY
 
-# How pytest prefixes a ClauseFailure's message in a crash line.
-FAILURE_PREFIX = f"{ClauseFailure.__module__}.{ClauseFailure.__qualname__}: "
 # How pytest words a strict xfail's pass (its longrepr).
 XPASS_STRICT = "[XPASS(strict)] "
 
