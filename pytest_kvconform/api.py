@@ -12,7 +12,7 @@ vllm-omni are imported by the checks when they run.
     ['passed', 'passed']
 
 Scope: every clause by default, KV-A included.  The clauses that stand up
-production's engine (KV-L6 and KV-A1..A6: the table's checks that take workers)
+production's engine (KV-L6, KV-A1..A6 and KV-V4: the table's checks that take workers)
 start worker processes, which need vLLM imported (~20-40 s, overlapped; CPU workers
 fork from one preloaded fork server, ``workers/pool.py``);
 they are closed before ``check_backend`` returns unless a pytest

@@ -29,12 +29,12 @@ from pytest_kvconform.adapters import kv_planner, vllm_layout
 from pytest_kvconform.checks import vllm_spec
 from pytest_kvconform.checks.common import (
     Where,
-    backend_class,
     note_via,
     production_with_class,
     unsupported_as_skip,
 )
 from pytest_kvconform.checks.errors import HarnessError, SkipKind
+from pytest_kvconform.checks.vllm_backends import vllm_class
 from pytest_kvconform.checks.vllm_resolution import read_declaration
 from pytest_kvconform.contract import oracle, vllm_oracle
 from pytest_kvconform.contract.records import BackendUnderTest
@@ -60,7 +60,7 @@ def check_kv_v4(backend: BackendUnderTest, worker: Any, *,
     why there is none).  ``control``: a ``module:NAME`` regression applied in the worker
     process (a negative control, or a seeded fault, as KV-A's controls are)."""
     where = Where(CLAUSE, backend=backend.name)
-    cls = backend_class(CLAUSE, backend)
+    cls = vllm_class(CLAUSE, backend)
     with unsupported_as_skip(CLAUSE):
         vllm_layout.production()
     if not vllm_layout.declares_layouts(cls):
@@ -159,7 +159,7 @@ def check_kv_v4_disagreement(backend: BackendUnderTest, worker: Any, *,
     the engine core's with a ValueError naming both (``control``: as for
     :func:`check_kv_v4`)."""
     where = Where(CLAUSE, backend=backend.name)
-    cls = backend_class(CLAUSE, backend)
+    cls = vllm_class(CLAUSE, backend)
     with unsupported_as_skip(CLAUSE):
         vllm_layout.production()
     if not vllm_layout.declares_layouts(cls):

@@ -24,13 +24,13 @@ from pytest_kvconform.adapters.vllm_layout import Got
 from pytest_kvconform.checks.common import (
     Where,
     backend_call_key,
-    backend_class,
     call_declaration,
     note_via,
     production_with_class,
     unsupported_as_skip,
 )
 from pytest_kvconform.checks.errors import ClauseFailure, SkipKind
+from pytest_kvconform.checks.vllm_backends import vllm_class
 from pytest_kvconform.contract import vllm_oracle
 from pytest_kvconform.contract.records import BackendUnderTest
 from pytest_kvconform.contract.vllm_oracle import Expected
@@ -58,7 +58,7 @@ class Difference:
 def check_kv_v3(backend: BackendUnderTest) -> None:
     """Every scenario production resolves as the contract's rules say (one result)."""
     where = Where(CLAUSE, backend=backend.name)
-    cls = backend_class(CLAUSE, backend)
+    cls = vllm_class(CLAUSE, backend)
     with unsupported_as_skip(CLAUSE):
         vllm_layout.production()
     if not vllm_layout.declares_layouts(cls):

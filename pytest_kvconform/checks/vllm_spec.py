@@ -24,9 +24,10 @@ from typing import Any
 
 from pytest_kvconform.adapters import compat, kv_planner
 from pytest_kvconform.checks import bytemap
-from pytest_kvconform.checks.common import Where, backend_class, note_via, production_with_class
+from pytest_kvconform.checks.common import Where, note_via, production_with_class
 from pytest_kvconform.checks.errors import SkipKind
 from pytest_kvconform.checks.strides import _allocate, _views_in_order, check_views, compare_tensor
+from pytest_kvconform.checks.vllm_backends import vllm_class
 from pytest_kvconform.contract import oracle
 
 CLAUSE = "KV-V5"
@@ -94,7 +95,7 @@ def layer_names() -> list[str]:
 def check_kv_v5(backend: Any) -> None:
     """The customised page: its size, the data it keeps, sizing and addresses per layout."""
     where = Where(CLAUSE, backend=backend.name)
-    cls = backend_class(CLAUSE, backend)
+    cls = vllm_class(CLAUSE, backend)
     if not callable(getattr(cls, "customize_spec", None)):
         raise where.skip(f"{backend.name} has no customize_spec", SkipKind.NOT_APPLICABLE)
     read = production_with_class(CLAUSE, backend.name, "customize_spec",

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from pytest_kvconform.adapters import run_env
 from pytest_kvconform.adapters.fault_hook import FAULT_ENV
 from pytest_kvconform.contract.clauses import parse_clause
-from pytest_kvconform.faults import plants
-from pytest_kvconform.faults import vllm_plants  # declares the V faults (plants.PLANTED)
+from pytest_kvconform.faults import (
+    plants,
+    vllm_plants,  # declares the V faults (plants.PLANTED)
+)
 from pytest_kvconform.faults import worker_faults as worker_side
 from pytest_kvconform.faults.plants import Patch
 

@@ -24,8 +24,8 @@ WORKER_RPC = "vllm.v1.worker.worker_base:WorkerBase.set_kv_cache_layout"
 FAMILY = "vllm backends"
 # The backend the guarding checks run against: a real vLLM backend that imports on a CPU host
 # (KV-V5's: one whose customize_spec repacks the page unconditionally).
-BACKEND = "CPU_ATTN"
-REPACKING = "ROCM_ATTN"
+BACKEND = plants.VLLM_PLAIN  # vllm.CPU_ATTN
+REPACKING = "vllm.ROCM_ATTN"
 
 
 def _ignores_env(original: Any) -> Any:

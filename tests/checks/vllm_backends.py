@@ -11,6 +11,7 @@ from pytest_kvconform.contract.records import BackendUnderTest
 def vllm_backend(name: str) -> BackendUnderTest:
     """The installed vLLM's ``AttentionBackendEnum`` member ``name``; the test skips if it
     does not import here."""
+    name = name.removeprefix("vllm.")  # a registry name (vllm.CPU_ATTN) or the member's
     registry = pytest.importorskip("vllm.v1.attention.backends.registry")
     member = getattr(registry.AttentionBackendEnum, name, None)
     if member is None:
