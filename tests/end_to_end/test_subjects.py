@@ -56,9 +56,10 @@ def test_the_shipped_findings_apply_without_naming_a_file(repo: pytest.Pytester,
         # the registry's backends are listed, not imported (a broken one cannot touch this)
         "kvconform: 1 backends (1 importable) discovered in *s: MY_HOOK_ATTN; * left out by "
         "--kv-backend (not imported): *FLASH_ATTN*MY_SLIP*",
-        "kvconform: known findings: pytest_kvconform/known/vllm_omni_0_30.toml (shipped; known "
-        "on vllm >=0.30,<0.33 and vllm-omni >=0.30,<0.33: the installed vllm 0.30.0, vllm-omni "
-        "0.30.0)",
+        "kvconform: known findings: pytest_kvconform/known/vllm_0_30.toml, "
+        "pytest_kvconform/known/vllm_omni_0_30.toml (shipped; vllm_0_30.toml known on vllm "
+        ">=0.30,<0.31; vllm_omni_0_30.toml known on vllm >=0.30,<0.33 and vllm-omni >=0.30,"
+        "<0.33: the installed vllm 0.30.0, vllm-omni 0.30.0)",
         "kvconform: verdict for MY_HOOK_ATTN: partial (left out: -k *",
         "kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 1 known finding persists (1 result), "
         "0 fixed, 0 new",

@@ -97,6 +97,7 @@ def test_build_report_fills_summary_verdict_and_sorts() -> None:
     assert sage == {
         "name": "SAGE", "path": "omni.sage:SageBackend", "source": "registry",
         "overridden": False, "importable": False, "reason": "ImportError: sage",
+        "family": "diffusion",
     }
     json.dumps(report)  # plain JSON values only
 

@@ -107,7 +107,7 @@ def test_every_planted_fault_is_registered() -> None:
 
 def test_each_fault_has_one_seed_real_clauses_and_a_known_backend() -> None:
     backends = {fault_registry.PAGED, fault_registry.PLAIN, *paged_standins.STANDINS, None,
-                vllm_plants.BACKEND, vllm_plants.REPACKING}
+                plants.VLLM_PLAIN, vllm_plants.REPACKING}
     for fault in REGISTRY.values():
         assert (fault.worker is None) != (not fault.patches), fault.name
         assert [clauses.clause(c).id for c in fault.clauses] == list(fault.clauses)
