@@ -119,5 +119,5 @@ def test_a_declaration_only_check_reads_the_class_only_through_the_declaration(
 def test_every_other_backend_check_that_drives_no_worker_runs_in_a_child() -> None:
     for row in clauses.CLAUSES:
         for check in row.checks:
-            if "backend" in check.args and not check.needs_workers:
+            if check.takes_backend and not check.needs_workers:
                 assert check.isolated != check.declaration_only, (row.id, check.variant)
