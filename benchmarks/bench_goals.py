@@ -13,6 +13,8 @@ Run in the default environment:  python benchmarks/bench_goals.py [--label L] [-
 - ``serial`` / ``xdist2``: the full ``pytest --kv-conformance`` suite, serial and ``-n 2``;
   ``scoped``: a backend repository's run, ``--kv-backend FLASH_ATTN`` (the in-tree backend
   production serves paged KV with), serial;
+  ``vllm_floor``: a fresh interpreter importing vLLM's attention registry (no vllm-omni);
+  ``scoped_vllm``: a run scoped to one of vLLM's own backends, ``--kv-backend vllm.CPU_ATTN``;
   ``serial_baseline`` / ``scoped_baseline``: with ``--baseline DIR``, the serial suite and
   the scoped run again with the plugin another checkout holds (say, main), in the same
   rounds, for a before / after under the same load;
@@ -46,6 +48,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = "import vllm_omni.diffusion.diffusion_kv.layout"
 FLOOR_FROZEN = f"import gc; gc.disable(); {FLOOR}; gc.freeze(); gc.enable()"
+# vLLM's own attention registry, without vllm-omni: the floor of a run scoped to one of
+# vLLM's backends (the V family).
+VLLM_FLOOR = "import vllm.v1.attention.backends.registry"
+VLLM_BACKEND = "vllm.CPU_ATTN"
 WORKER = ("import time; from pytest_kvconform.workers import pool as workers; "
           "t = time.perf_counter(); "
           "workers.pool().get(['cpu']); print(time.perf_counter() - t); "
@@ -143,7 +149,8 @@ def main() -> int:
         rounds: dict[str, list[float]] = {"floor": [], "floor_quiet": [], "floor_frozen": [],
                                           "serial": [],
                                           "xdist2": [], "serial_baseline": [], "scoped": [],
-                                          "scoped_baseline": []}
+                                          "scoped_baseline": [], "vllm_floor": [],
+                                          "scoped_vllm": []}
         base = os.path.abspath(args.baseline) if args.baseline else None
         for i in range(args.suite_repeat):
             tag = f" #{i + 1}" if args.suite_repeat > 1 else ""
@@ -152,6 +159,9 @@ def main() -> int:
                                                  HUMMING_DISABLE_PARALLEL_BUILD="1"))
             rounds["floor_frozen"].append(measure("floor_frozen" + tag,
                                                   [py, "-c", FLOOR_FROZEN], tmp))
+            rounds["vllm_floor"].append(measure("vllm_floor" + tag, [py, "-c", VLLM_FLOOR], tmp))
+            rounds["scoped_vllm"].append(measure("scoped_vllm" + tag,
+                                                 [*suite, "--kv-backend", VLLM_BACKEND], tmp))
             scoped_run = [*suite, "--kv-backend", "FLASH_ATTN"]
             for kind, cmd in (("serial", suite), ("scoped", scoped_run)):
                 variants: list[tuple[str, dict[str, str]]] = [(kind, {})]
@@ -165,6 +175,8 @@ def main() -> int:
         floor, quiet, frozen, serial, xdist2, scoped = (
             statistics.median(rounds[k]) if rounds[k] else float("nan")
             for k in ("floor", "floor_quiet", "floor_frozen", "serial", "xdist2", "scoped"))
+        vllm_floor, scoped_vllm = (statistics.median(rounds[k]) if rounds[k] else float("nan")
+                                   for k in ("vllm_floor", "scoped_vllm"))
         baseline, scoped_base = (statistics.median(rounds[k]) if base else float("nan")
                                  for k in ("serial_baseline", "scoped_baseline"))
         if args.suite_repeat > 1:
@@ -218,6 +230,10 @@ def main() -> int:
         (f"baseline backend-scoped / import floor ({args.baseline})", scoped_base / floor,
          "(<= 1.3)"),
         ("backend-scoped / frozen import floor", scoped / frozen, "(<= 1.3)"),
+        (f"vLLM-backend-scoped (--kv-backend {VLLM_BACKEND}) / vLLM registry import floor",
+         scoped_vllm / vllm_floor, "<= 1.3"),
+        (f"vLLM-backend-scoped (--kv-backend {VLLM_BACKEND}) / import floor",
+         scoped_vllm / floor, "(<= 1.3)"),
         ("serial / frozen import floor", serial / frozen, "(<= 1.6)"),
         ("extra adoption case / worker start", per_case / start_s, "<= 0.02"),
         ("plugin off / -p no:kvconform", off / none, "<= 1.02"),
