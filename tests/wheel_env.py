@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -116,6 +117,17 @@ class WheelEnv:
         """Add packages at this environment's versions (a test's own, e.g. a backend repo)."""
         uv("pip", "install", "-q", "--python", str(self.python), "-c", str(self.constraints),
            *targets, cwd=self.root)
+
+    def install_repo(self, repo: Path, files: Mapping[str, str]) -> tuple[Path, Path]:
+        """(venv python, ``repo``): a repository written from ``files`` (dedented) and
+        installed here, as a backend repository installs itself beside the wheel."""
+        for name, text in files.items():
+            path = repo / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(textwrap.dedent(text).lstrip())
+        self.install(str(repo))
+        shutil.rmtree(repo / "build", ignore_errors=True)
+        return self.python, repo
 
 
 def build_wheel(root: Path) -> tuple[Path, str]:

@@ -31,11 +31,9 @@ from pytest_kvconform.checks.common import (
     Where,
     note_via,
     production_with_class,
-    unsupported_as_skip,
 )
 from pytest_kvconform.checks.errors import HarnessError, SkipKind
-from pytest_kvconform.checks.vllm_backends import vllm_class
-from pytest_kvconform.checks.vllm_resolution import read_declaration
+from pytest_kvconform.checks.vllm_resolution import declaring_class, read_declaration
 from pytest_kvconform.contract import oracle, vllm_oracle
 from pytest_kvconform.contract.records import BackendUnderTest
 from pytest_kvconform.workers.devices import Unplaceable
@@ -60,12 +58,7 @@ def check_kv_v4(backend: BackendUnderTest, worker: Any, *,
     why there is none).  ``control``: a ``module:NAME`` regression applied in the worker
     process (a negative control, or a seeded fault, as KV-A's controls are)."""
     where = Where(CLAUSE, backend=backend.name)
-    cls = vllm_class(CLAUSE, backend)
-    with unsupported_as_skip(CLAUSE):
-        vllm_layout.production()
-    if not vllm_layout.declares_layouts(cls):
-        raise where.skip(f"{backend.name} has no supported_kv_cache_layouts (not a vLLM "
-                         "attention backend); see KV-V2", SkipKind.NOT_APPLICABLE)
+    cls = declaring_class(CLAUSE, backend)
     if isinstance(worker, Unplaceable):
         raise where.skip(worker.reason, SkipKind.HARDWARE)
     if len(worker) != 1:
@@ -159,12 +152,7 @@ def check_kv_v4_disagreement(backend: BackendUnderTest, worker: Any, *,
     the engine core's with a ValueError naming both (``control``: as for
     :func:`check_kv_v4`)."""
     where = Where(CLAUSE, backend=backend.name)
-    cls = vllm_class(CLAUSE, backend)
-    with unsupported_as_skip(CLAUSE):
-        vllm_layout.production()
-    if not vllm_layout.declares_layouts(cls):
-        raise where.skip(f"{backend.name} has no supported_kv_cache_layouts (not a vLLM "
-                         "attention backend); see KV-V2", SkipKind.NOT_APPLICABLE)
+    cls = declaring_class(CLAUSE, backend)
     if isinstance(worker, Unplaceable):
         raise where.skip(worker.reason, SkipKind.HARDWARE)
     declared = read_declaration(CLAUSE, backend.name, cls)

@@ -55,15 +55,22 @@ class Difference:
                 f"gave {self.got}")
 
 
-def check_kv_v3(backend: BackendUnderTest) -> None:
-    """Every scenario production resolves as the contract's rules say (one result)."""
-    where = Where(CLAUSE, backend=backend.name)
-    cls = vllm_class(CLAUSE, backend)
-    with unsupported_as_skip(CLAUSE):
+def declaring_class(clause: str, backend: BackendUnderTest) -> Any:
+    """The backend's class, with the installed vLLM's layout path there and the class
+    declaring its layouts; else the skip that says which is missing (KV-V3, KV-V4)."""
+    cls = vllm_class(clause, backend)
+    with unsupported_as_skip(clause):
         vllm_layout.production()
     if not vllm_layout.declares_layouts(cls):
-        raise where.skip(f"{backend.name} has no supported_kv_cache_layouts (not a vLLM "
-                         "attention backend); see KV-V2", SkipKind.NOT_APPLICABLE)
+        raise Where(clause, backend=backend.name).skip(
+            f"{backend.name} has no supported_kv_cache_layouts (not a vLLM attention "
+            "backend); see KV-V2", SkipKind.NOT_APPLICABLE)
+    return cls
+
+
+def check_kv_v3(backend: BackendUnderTest) -> None:
+    """Every scenario production resolves as the contract's rules say (one result)."""
+    cls = declaring_class(CLAUSE, backend)
     others = mix_partners(backend.name)
     declared = _declarations(backend, cls, others)
     mine = declared[backend.name]

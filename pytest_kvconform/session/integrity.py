@@ -35,9 +35,12 @@ _OUTSIDE = ("pytest_kvconform.adapters.paged_standins", "pytest_kvconform.adapte
 # selftest, matrix, the CLI) are fingerprinted where they are loaded, not imported here.
 WITHOUT_PYTEST = ("contract", "adapters", "workers", "checks", "faults", "report", "api")
 RUN = (*WITHOUT_PYTEST, "session", "suite", "plugin", "hookspecs")
-# The fork server's first and last imports: fingerprinted when imported, never imported here.
+# The fork server's first and last imports, and the KV connector vLLM's connector factory
+# loads by name (it imports vLLM's distributed stack at import): fingerprinted when
+# imported, never imported here.
 _NOT_IMPORTED = ("pytest_kvconform.workers.forkserver_guard",
-                 "pytest_kvconform.workers.forkserver_ready")
+                 "pytest_kvconform.workers.forkserver_ready",
+                 "pytest_kvconform.adapters.vllm_connector")
 
 
 def _judged(name: str) -> bool:

@@ -89,14 +89,8 @@ BACKEND_REPO = {
 def backend_repo(wheel_env: WheelEnv, tmp_path_factory: pytest.TempPathFactory
                  ) -> tuple[Path, Path]:
     """(venv python, backend repository): the repo installed beside the session's wheel."""
-    repo = tmp_path_factory.mktemp("backend-repo") / "my-backends"
-    for name, text in BACKEND_REPO.items():
-        path = repo / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text).lstrip())
-    wheel_env.install(str(repo))
-    shutil.rmtree(repo / "build", ignore_errors=True)
-    return wheel_env.python, repo
+    return wheel_env.install_repo(tmp_path_factory.mktemp("backend-repo") / "my-backends",
+                                  BACKEND_REPO)
 
 
 @needs_omni
@@ -409,14 +403,8 @@ def hostile_repo(wheel_env: WheelEnv, tmp_path_factory: pytest.TempPathFactory
                  ) -> tuple[Path, Path]:
     """(venv python, repository): backends whose own code hangs, holds the GIL, ends its
     process or asks for 1 TiB, registered by a repository beside the session's wheel."""
-    repo = tmp_path_factory.mktemp("hostile-repo") / "hostile-backends"
-    for name, text in HOSTILE_REPO.items():
-        path = repo / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text).lstrip())
-    wheel_env.install(str(repo))
-    shutil.rmtree(repo / "build", ignore_errors=True)
-    return wheel_env.python, repo
+    return wheel_env.install_repo(tmp_path_factory.mktemp("hostile-repo") / "hostile-backends",
+                                  HOSTILE_REPO)
 
 
 def _processes_in(directory: Path) -> list[str]:

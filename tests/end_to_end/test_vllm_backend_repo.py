@@ -5,7 +5,6 @@ declaring its layouts by name fails KV-V2, naming the clause and the backend (ex
 
 from __future__ import annotations
 
-import shutil
 import textwrap
 from pathlib import Path
 
@@ -53,14 +52,8 @@ VLLM_REPO = {
 def vllm_repo(wheel_env: WheelEnv, tmp_path_factory: pytest.TempPathFactory
               ) -> tuple[Path, Path]:
     """(venv python, repository): the vLLM backend repository installed beside the wheel."""
-    repo = tmp_path_factory.mktemp("vllm-repo") / "my-vllm-backends"
-    for name, text in VLLM_REPO.items():
-        path = repo / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text).lstrip())
-    wheel_env.install(str(repo))
-    shutil.rmtree(repo / "build", ignore_errors=True)
-    return wheel_env.python, repo
+    return wheel_env.install_repo(tmp_path_factory.mktemp("vllm-repo") / "my-vllm-backends",
+                                  VLLM_REPO)
 
 
 def _suite(python: Path, repo: Path, *args: str) -> tuple[int, str]:
