@@ -180,7 +180,7 @@ def test_a_conforming_backend_qualifies_on_its_own(backend_repo: tuple[Path, Pat
     assert code == 0, out[-6000:]
     assert ("kvconform: known findings: pytest_kvconform/known/vllm_0_30.toml, "
             "pytest_kvconform/known/vllm_omni_0_30.toml (shipped; vllm_0_30.toml known on vllm "
-            ">=0.30,<0.31; vllm_omni_0_30.toml known on vllm >=0.30,<0.33 and vllm-omni "
+            ">=0.29,<0.34; vllm_omni_0_30.toml known on vllm >=0.30,<0.33 and vllm-omni "
             ">=0.30,<0.33: the installed vllm 0.30.0, vllm-omni 0.30.0)") in out, out[-6000:]
     # The installed stack is the release's: the shipped release table says so.
     assert "kvconform: release table: this stack is qualified by leg py311-vllm030\n" in out

@@ -58,7 +58,7 @@ def test_the_shipped_findings_apply_without_naming_a_file(repo: pytest.Pytester,
         "--kv-backend (not imported): *FLASH_ATTN*MY_SLIP*",
         "kvconform: known findings: pytest_kvconform/known/vllm_0_30.toml, "
         "pytest_kvconform/known/vllm_omni_0_30.toml (shipped; vllm_0_30.toml known on vllm "
-        ">=0.30,<0.31; vllm_omni_0_30.toml known on vllm >=0.30,<0.33 and vllm-omni >=0.30,"
+        ">=0.29,<0.34; vllm_omni_0_30.toml known on vllm >=0.30,<0.33 and vllm-omni >=0.30,"
         "<0.33: the installed vllm 0.30.0, vllm-omni 0.30.0)",
         "kvconform: verdict for MY_HOOK_ATTN: partial (left out: -k *",
         "kvconform: stack (vllm 0.30.0, vllm-omni 0.30.0): 1 known finding persists (1 result), "
