@@ -456,7 +456,7 @@ class _NoBackend(BackendUnderTest):
 
 def _versions_for_xfails() -> dict[str, str | None]:
     v = compat.versions()
-    return {"vllm": v["vllm"], "vllm_omni": v["vllm-omni"]}
+    return {"vllm": v["vllm"], "vllm_omni": v["vllm-omni"], "torch": v["torch"]}
 
 
 def item_properties(item: pytest.Item, device: str) -> dict[str, Any] | None:

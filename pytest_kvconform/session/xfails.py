@@ -68,8 +68,12 @@ ANY_CLAUSE = "*"  # every clause of the backend, e.g. one whose kernel package i
 ANY_TEST = "*"  # every test of such a backend (only with ANY_CLAUSE)
 DEVICE_KINDS = ("cpu", "cuda")
 _REQUIRED = ("backend", "clause", "test", "reason")
-_OPTIONAL = ("case", "layout", "match", "skip", "vllm", "vllm_omni", "device")
-_VERSION_KEYS = ("vllm", "vllm_omni")
+_OPTIONAL = ("case", "layout", "match", "skip", "vllm", "vllm_omni", "torch", "device")
+# The serving stack's versions: a file's [known_on], and what the header names.
+_STACK_KEYS = ("vllm", "vllm_omni")
+# An entry's PEP 440 conditions; ``torch`` may name a build by its local label
+# (``==2.13.0+cpu``: torch's CPU build only).
+_VERSION_KEYS = (*_STACK_KEYS, "torch")
 ERRORS_KEY = "errors"
 ERROR_KINDS = tuple(kind.value for kind in ErrorKind)
 # A not-applicable skip needs no declaration: strict qualification forgives it everywhere.
@@ -118,6 +122,7 @@ class XfailEntry:
     skip: str | None = None  # the skip kind the entry declares (then match is the reason's)
     vllm: SpecifierSet | None = None
     vllm_omni: SpecifierSet | None = None
+    torch: SpecifierSet | None = None
     device: str | None = None
     errors: frozenset[str] = frozenset()  # harness-error kinds this entry absorbs
 
@@ -200,7 +205,7 @@ class XfailEntry:
     @property
     def conditioned(self) -> bool:
         """Whether the entry names the versions it was written for."""
-        return any(getattr(self, key) is not None for key in _VERSION_KEYS)
+        return any(getattr(self, key) is not None for key in _STACK_KEYS)
 
     def versions_hold(self, versions: Mapping[str, str | None]) -> bool:
         """Whether every version condition holds for ``versions`` (absent: does not)."""
@@ -312,12 +317,12 @@ def _parse_known_on(file: str, table: Any) -> dict[str, SpecifierSet]:
     where = f"[{KNOWN_ON}]"
     if not isinstance(table, dict) or not table:
         raise XfailFileError(file, f"{where} must be a table of PEP 440 conditions on "
-                             f"{' and '.join(_VERSION_KEYS)}")
+                             f"{' and '.join(_STACK_KEYS)}")
     out = {}
     for key, value in table.items():
-        if key not in _VERSION_KEYS:
+        if key not in _STACK_KEYS:
             raise XfailFileError(file, f"{where}: unknown key {key!r} (allowed: "
-                                 f"{', '.join(_VERSION_KEYS)})")
+                                 f"{', '.join(_STACK_KEYS)})")
         try:
             out[key] = SpecifierSet(value) if isinstance(value, str) and value.strip() else None
         except InvalidSpecifier:
@@ -629,7 +634,7 @@ def _shown(path: Path) -> str:
 
 def describe_versions(versions: Mapping[str, str | None]) -> str:
     return ", ".join(f"{key.replace('_', '-')} {versions.get(key) or 'not installed'}"
-                     for key in _VERSION_KEYS)
+                     for key in _STACK_KEYS)
 
 
 def shipped_for(versions: Mapping[str, str | None],

@@ -108,6 +108,20 @@ def test_applies_to_versions(entries: list[XfailEntry]) -> None:
     assert flash.applies_to({"vllm-omni": "0.30.1"}, "cpu")  # distribution spelling accepted
 
 
+def test_a_torch_condition_names_a_build_by_its_local_label(tmp_path: Path) -> None:
+    """``torch = "==2.13.0+cpu"`` holds on torch's CPU build only: not on the registry's
+    CUDA build of the same version, nor where torch's version is unknown."""
+    path = tmp_path / "k.toml"
+    path.write_text('[[xfail]]\nbackend = "vllm.FLASHINFER"\nclause = "KV-V1"\n'
+                    'test = "test_kv_v1"\nskip = "hardware"\nmatch = "."\nreason = "r"\n'
+                    'torch = "==2.13.0+cpu"\n')
+    (entry,) = load_xfails(path)
+    assert entry.applies_to({"torch": "2.13.0+cpu"}, "cpu")
+    assert not entry.applies_to({"torch": "2.13.0+cu130"}, "cpu")
+    assert not entry.applies_to({"torch": "2.13.0"}, "cpu")
+    assert not entry.applies_to({}, "cpu")
+
+
 def test_applies_to_device(entries: list[XfailEntry]) -> None:
     _, padded = entries
     assert padded.applies_to(V030, "cuda")
