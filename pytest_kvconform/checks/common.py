@@ -236,6 +236,22 @@ def call_declaration(clause: str, backend: str, method: Any, *, cache: bool = Fa
                          cache=cache)
 
 
+def declared(where: Where, backend: str, method: Any, name: str, *args: Any,
+             key: tuple[str, str, int] | None = None) -> Any:
+    """``method(*args)``, a call into the backend's class bounded as
+    :func:`call_declaration` bounds it; what it raised is a violation naming ``name()``
+    (a harness error stays one)."""
+    call = partial(method, *args) if args else method
+    try:
+        return call_declaration(where.clause, backend, call, key=key)
+    except HarnessError:
+        raise
+    except Exception as exc:
+        how = ("raised" if not isinstance(exc, TypeError) else
+               "cannot be called on the class" + ("" if args else " with no arguments"))
+        raise where.fail(f"{name}() {how}: {exc!r}") from exc
+
+
 # What each declaration a backend makes is, for the messages that name a call into it.
 _DECLARATIONS = {DECLARATION: "the backend's layout declaration",
                  "get_name": "the name the backend declares"}

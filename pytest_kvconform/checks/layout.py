@@ -13,6 +13,7 @@ from pytest_kvconform.checks.common import (
     backend_class,
     call_declaration,
     cuda_init_recorder,
+    declared,
     declared_need,
     production_with_class,
     supports_paged_kv,
@@ -95,14 +96,7 @@ def check_kv_l1_name(backend: BackendUnderTest) -> None:
     if method is None or not callable(method):
         raise where.fail(f"the backend class has no callable get_name() (found {method!r}); "
                          "production names a backend by it")
-    try:
-        name = call_declaration(clause, backend.name, method)
-    except HarnessError:
-        raise
-    except Exception as exc:
-        how = ("cannot be called on the class with no arguments" if isinstance(exc, TypeError)
-               else "raised")
-        raise where.fail(f"get_name() {how}: {exc!r}") from exc
+    name = declared(where, backend.name, method, "get_name")
     if type(name) is not str:
         raise where.fail(f"get_name() returned {name!r} of type {type(name).__name__}, but "
                          f"the backend is registered as {backend.name!r}; a str is required",

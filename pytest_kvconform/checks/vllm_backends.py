@@ -14,8 +14,13 @@ from functools import partial
 from typing import Any
 
 from pytest_kvconform.adapters import vllm_registry
-from pytest_kvconform.checks.common import Problems, Where, backend_class, call_declaration
-from pytest_kvconform.checks.errors import ClauseSkip, HarnessError, SkipKind
+from pytest_kvconform.checks.common import (
+    Problems,
+    Where,
+    backend_class,
+    declared,
+)
+from pytest_kvconform.checks.errors import ClauseSkip, SkipKind
 from pytest_kvconform.contract.records import DTYPE_SIZES, BackendUnderTest
 
 LAYOUTS = "supported_kv_cache_layouts"
@@ -52,17 +57,10 @@ def vllm_class(clause: str, backend: BackendUnderTest) -> Any:
 
 def _declared(where: Where, backend: BackendUnderTest, method: Any, name: str,
               *args: Any) -> Any:
-    """``method(*args)``, bounded; what it raised is a violation naming the call."""
-    call = partial(method, *args) if args else method
+    """``method(*args)``, bounded (:func:`~pytest_kvconform.checks.common.declared`), kept
+    for the process under the call it stands for."""
     key = (backend.name, name + "".join(f":{a!r}" for a in args), 0)
-    try:
-        return call_declaration(where.clause, backend.name, call, key=key)
-    except HarnessError:
-        raise
-    except Exception as exc:
-        how = ("cannot be called on the class" if isinstance(exc, TypeError)
-               else "raised")
-        raise where.fail(f"{name}() {how}: {exc!r}") from exc
+    return declared(where, backend.name, method, name, *args, key=key)
 
 
 def _method(where: Where, cls: Any, name: str) -> Any:
